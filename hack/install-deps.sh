@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Installs what building and testing inpod needs and is missing: Debian
+# packages for the kernel-facing tests and code generation, and pinned Go
+# tools into ./bin. Safe to re-run; does nothing when all is present.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+
+# command → Debian package
+declare -A pkgs=(
+  [iptables]=iptables
+  [iptables-restore]=iptables
+  [nft]=nftables
+  [ip]=iproute2
+  [ss]=iproute2
+  [ipset]=ipset
+  [conntrack]=conntrack
+  [protoc]=protobuf-compiler
+)
+missing=()
+for cmd in "${!pkgs[@]}"; do
+  command -v "$cmd" >/dev/null 2>&1 || missing+=("${pkgs[$cmd]}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "missing packages: ${missing[*]} (install them as root with apt-get)" >&2
+    exit 1
+  fi
+  echo "installing ${missing[*]}" >&2
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# Go tools, pinned; protoc-gen-go follows the protobuf runtime in go.mod so
+# that `make generate` reproduces the committed code byte for byte.
+mkdir -p "$repo/bin"
+protobuf_version=$(cd "$repo" && go list -m -f '{{.Version}}' google.golang.org/protobuf)
+install_tool() { # name package@version
+  local stamp="$repo/bin/.$1-${2##*@}"
+  if [ ! -x "$repo/bin/$1" ] || [ ! -e "$stamp" ]; then
+    echo "installing $2" >&2
+    GOBIN="$repo/bin" go install "$2"
+    rm -f "$repo/bin/.$1-"*; touch "$stamp"
+  fi
+}
+install_tool protoc-gen-go "google.golang.org/protobuf/cmd/protoc-gen-go@$protobuf_version"
+install_tool staticcheck "honnef.co/go/tools/cmd/staticcheck@v0.8.2"
