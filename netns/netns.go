@@ -1,0 +1,138 @@
+// Package netns runs code inside another network namespace without letting
+// the switch leak into the caller's thread, and identifies namespace fds.
+//
+// setns(2) changes only the calling OS thread, and the Go runtime moves
+// goroutines between threads, so every switch happens on a goroutine locked to
+// its thread. When the thread cannot be switched back it stays locked, and the
+// runtime discards it when the goroutine exits instead of reusing a thread that
+// sits in the wrong namespace.
+package netns
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+
+	"golang.org/x/sys/unix"
+)
+
+// nsGetNSType is NS_GET_NSTYPE from <linux/nsfs.h>: _IO(0xb7, 0x3).
+const nsGetNSType = 0xb703
+
+// ErrNotNetNS reports an fd that refers to something other than a network
+// namespace (another namespace type, or a plain file).
+var ErrNotNetNS = errors.New("not a network namespace")
+
+// Do runs fn on a dedicated OS thread that has joined the network namespace
+// ns. fn must not start goroutines that expect to inherit the namespace.
+func Do(ns *os.File, fn func() error) error {
+	if err := Check(ns); err != nil {
+		return err
+	}
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		orig, err := os.Open(threadNetNSPath())
+		if err != nil {
+			runtime.UnlockOSThread()
+			errc <- fmt.Errorf("open current netns: %w", err)
+			return
+		}
+		defer orig.Close()
+		if err := unix.Setns(int(ns.Fd()), unix.CLONE_NEWNET); err != nil {
+			runtime.UnlockOSThread()
+			errc <- fmt.Errorf("enter netns %s: %w", ns.Name(), err)
+			return
+		}
+		fnErr := fn()
+		if err := unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET); err != nil {
+			// Leave the thread locked: it dies with this goroutine.
+			errc <- errors.Join(fnErr, fmt.Errorf("restore netns: %w", err))
+			return
+		}
+		runtime.UnlockOSThread()
+		errc <- fnErr
+	}()
+	return <-errc
+}
+
+// DoPath is Do for a namespace named by a path such as /var/run/netns/x or
+// /proc/<pid>/ns/net.
+func DoPath(path string, fn func() error) error {
+	ns, err := Open(path)
+	if err != nil {
+		return err
+	}
+	defer ns.Close()
+	return Do(ns, fn)
+}
+
+// Open opens path and checks that it is a network namespace.
+func Open(path string) (*os.File, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("open netns: %w", err)
+	}
+	if err := Check(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
+}
+
+// Check verifies that f refers to a network namespace, the same test ztunnel
+// applies to the fd it receives.
+func Check(f *os.File) error {
+	var checkErr error
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return fmt.Errorf("netns %s: %w", f.Name(), err)
+	}
+	err = rc.Control(func(fd uintptr) { checkErr = CheckFD(int(fd)) })
+	if err != nil {
+		return fmt.Errorf("netns %s: %w", f.Name(), err)
+	}
+	if checkErr != nil {
+		return fmt.Errorf("netns %s: %w", f.Name(), checkErr)
+	}
+	return nil
+}
+
+// CheckFD is Check for a raw fd, as received over SCM_RIGHTS.
+func CheckFD(fd int) error {
+	kind, err := unix.IoctlRetInt(fd, nsGetNSType)
+	if err != nil {
+		if errors.Is(err, unix.ENOTTY) || errors.Is(err, unix.EINVAL) {
+			return ErrNotNetNS
+		}
+		return fmt.Errorf("NS_GET_NSTYPE: %w", err)
+	}
+	if kind != unix.CLONE_NEWNET {
+		return ErrNotNetNS
+	}
+	return nil
+}
+
+// Identity is what makes two namespace fds the same namespace: the nsfs
+// inode and device, which ztunnel compares to tell a recreated sandbox from a
+// repeated Add.
+type Identity struct {
+	Dev uint64
+	Ino uint64
+}
+
+// IdentityOf returns the identity of the namespace behind fd.
+func IdentityOf(fd int) (Identity, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return Identity{}, fmt.Errorf("fstat netns: %w", err)
+	}
+	return Identity{Dev: st.Dev, Ino: st.Ino}, nil
+}
+
+func (id Identity) String() string { return fmt.Sprintf("%d:%d", id.Dev, id.Ino) }
+
+func threadNetNSPath() string {
+	return fmt.Sprintf("/proc/%d/task/%d/ns/net", os.Getpid(), unix.Gettid())
+}
