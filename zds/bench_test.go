@@ -1,0 +1,117 @@
+package zds_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"slices"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/inpod-dev/inpod/e2e/ztunnel"
+	"github.com/inpod-dev/inpod/netns/netnstest"
+	"github.com/inpod-dev/inpod/zds"
+)
+
+// BenchmarkAddAck measures Add → Ack against the stand-in, which binds real
+// listeners in a real pod netns before acking (as ztunnel does), next to a
+// baseline measured in the same run: one bare SOCK_SEQPACKET round trip that
+// passes an fd and returns a 2-byte reply, the transport's floor.
+func BenchmarkAddAck(b *testing.B) {
+	pod := netnstest.New(b)
+	nsFile := pod.Open(b)
+	path := b.TempDir() + "/zt.sock"
+	srv, err := zds.NewServer(zds.Config{SocketPath: path, Source: &source{}, Logger: discardLogger()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := srv.Listen(); err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go srv.Serve(ctx)
+	z := ztunnel.New(ztunnel.Config{SocketPath: path, Logger: discardLogger()})
+	go z.Run(ctx)
+	for srv.State() != (zds.State{Connections: 1, Ready: true}) {
+		time.Sleep(time.Millisecond)
+	}
+
+	baseline := bareRoundTrips(b, int(nsFile.Fd()), max(b.N, 200))
+	addTimes := make([]time.Duration, 0, b.N)
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		uid := fmt.Sprintf("uid-%d", i)
+		start := time.Now()
+		if err := srv.Add(ctx, podWorkload(uid, nsFile)); err != nil {
+			b.Fatal(err)
+		}
+		addTimes = append(addTimes, time.Since(start))
+		b.StopTimer()
+		if err := srv.Del(ctx, uid); err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
+	}
+	b.StopTimer()
+	p50, p99 := percentile(addTimes, 50), percentile(addTimes, 99)
+	base := percentile(baseline, 50)
+	b.ReportMetric(float64(p50.Microseconds()), "add-ack-p50-µs")
+	b.ReportMetric(float64(p99.Microseconds()), "add-ack-p99-µs")
+	b.ReportMetric(float64(base.Nanoseconds())/1e3, "bare-roundtrip-p50-µs")
+	b.ReportMetric(float64(p50)/float64(base), "add-ack/bare-ratio")
+}
+
+func bareRoundTrips(b *testing.B, fd, n int) []time.Duration {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer unix.Close(fds[0])
+	defer unix.Close(fds[1])
+	go func() {
+		buf, oob := make([]byte, zds.MaxMessageSize), make([]byte, unix.CmsgSpace(8))
+		for {
+			_, oobn, _, _, err := unix.Recvmsg(fds[1], buf, oob, 0)
+			if err != nil {
+				return
+			}
+			msgs, _ := unix.ParseSocketControlMessage(oob[:oobn])
+			for _, m := range msgs {
+				got, _ := unix.ParseUnixRights(&m)
+				for _, f := range got {
+					unix.Close(f)
+				}
+			}
+			if err := unix.Sendmsg(fds[1], []byte{0x0a, 0x00}, nil, nil, 0); err != nil {
+				return
+			}
+		}
+	}()
+	msg := make([]byte, 64)
+	rights := unix.UnixRights(fd)
+	reply := make([]byte, zds.MaxMessageSize)
+	out := make([]time.Duration, 0, n)
+	for range n {
+		start := time.Now()
+		if err := unix.Sendmsg(fds[0], msg, rights, nil, 0); err != nil {
+			b.Fatal(err)
+		}
+		if _, _, _, _, err := unix.Recvmsg(fds[0], reply, nil, 0); err != nil {
+			b.Fatal(err)
+		}
+		out = append(out, time.Since(start))
+	}
+	return out
+}
+
+func percentile(ds []time.Duration, p int) time.Duration {
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	return s[(len(s)-1)*p/100]
+}
+
+func discardLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }

@@ -1,0 +1,486 @@
+// Package zds is the agent side of ZDS, the protocol that hands pod network
+// namespaces to ztunnel over a SOCK_SEQPACKET unix socket. It is wire
+// compatible with Istio's ztunnel and knows nothing about Kubernetes: a
+// PodSource tells it which pods exist.
+//
+// Each connection is owned by one goroutine that sends one request at a time
+// and waits for its Ack; a second goroutine reads the socket all the time, so
+// a peer that goes away is noticed at once rather than at the next request.
+// An Ack that arrives when nothing is in flight, or a request that times out,
+// closes the connection: an Ack carries no id, so after either the pairing of
+// requests and acks can no longer be trusted.
+package zds
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/inpod-dev/inpod/zds/zdspb"
+)
+
+// Workload is one pod as ztunnel sees it.
+type Workload struct {
+	UID            string
+	Name           string
+	Namespace      string
+	ServiceAccount string
+	// NetNS is the pod's network namespace. The caller owns it and must keep
+	// it open until Add returns; the server only borrows it to send. In a
+	// snapshot, nil means "known, netns not held" and is sent as Keep.
+	NetNS *os.File
+}
+
+// PodSource lists the pods a newly connected ztunnel must be told about.
+type PodSource interface {
+	Snapshot(ctx context.Context) ([]Workload, error)
+}
+
+// State is the server's readiness signal.
+type State struct {
+	// Connections counts connections past their hello.
+	Connections int
+	// Ready is true while at least one connection has acknowledged its
+	// snapshot: a ztunnel is there and knows every enrolled pod.
+	Ready bool
+}
+
+// Config configures a Server. Zero durations take the defaults.
+type Config struct {
+	SocketPath string
+	Source     PodSource
+	// HelloTimeout bounds the wait for ZdsHello after a connect (Istio: 5 s).
+	HelloTimeout time.Duration
+	// AckTimeout bounds the wait for each Ack; on expiry the connection is
+	// closed so that a late Ack can never be credited to the next request.
+	AckTimeout time.Duration
+	// AllowedPeerUIDs are the uids a connecting process may run as; empty
+	// means root only.
+	AllowedPeerUIDs []uint32
+	Logger          *slog.Logger
+}
+
+const (
+	defaultHelloTimeout = 5 * time.Second
+	defaultAckTimeout   = 5 * time.Second
+)
+
+var (
+	// ErrNoConnection means no ztunnel is connected to receive an Add.
+	ErrNoConnection = errors.New("zds: no ztunnel connected")
+	// ErrConnectionClosed means the connection ended before the Ack came.
+	ErrConnectionClosed = errors.New("zds: ztunnel connection closed before the ack")
+	// ErrAckTimeout means ztunnel did not answer in time; the connection
+	// has been closed.
+	ErrAckTimeout = errors.New("zds: timed out waiting for ztunnel's ack")
+)
+
+// AckError is an Ack that carried an error: ztunnel refused that workload.
+type AckError struct {
+	Op  string
+	UID string
+	Msg string
+}
+
+func (e *AckError) Error() string {
+	return fmt.Sprintf("zds: ztunnel rejected %s of pod %s: %s", e.Op, e.UID, e.Msg)
+}
+
+// Server accepts ztunnel connections and delivers workload changes to them.
+type Server struct {
+	cfg Config
+	log *slog.Logger
+
+	mu        sync.Mutex
+	listener  *net.UnixListener
+	conns     []*conn // in connect order; the last is the newest
+	nextID    uint64
+	published State
+	subs      map[chan State]struct{}
+}
+
+// NewServer validates cfg and fills in defaults; Listen opens the socket.
+func NewServer(cfg Config) (*Server, error) {
+	if cfg.SocketPath == "" {
+		cfg.SocketPath = DefaultSocketPath
+	}
+	if cfg.Source == nil {
+		return nil, errors.New("zds: Config.Source is required")
+	}
+	if cfg.HelloTimeout <= 0 {
+		cfg.HelloTimeout = defaultHelloTimeout
+	}
+	if cfg.AckTimeout <= 0 {
+		cfg.AckTimeout = defaultAckTimeout
+	}
+	if len(cfg.AllowedPeerUIDs) == 0 {
+		cfg.AllowedPeerUIDs = []uint32{0}
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Server{
+		cfg:  cfg,
+		log:  log.With("component", "zds"),
+		subs: map[chan State]struct{}{},
+	}, nil
+}
+
+// Listen creates the socket: the directory root-only (0700), a stale socket
+// from a dead agent removed, the socket itself 0600. It refuses to take over
+// a socket another live process is serving.
+func (s *Server) Listen() error {
+	path := s.cfg.SocketPath
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("zds: create socket dir: %w", err)
+	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return fmt.Errorf("zds: restrict socket dir: %w", err)
+	}
+	if err := removeStaleSocket(path); err != nil {
+		return err
+	}
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		return fmt.Errorf("zds: listen on %s: %w", path, err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		return fmt.Errorf("zds: restrict socket: %w", err)
+	}
+	s.mu.Lock()
+	s.listener = ln
+	s.mu.Unlock()
+	s.log.Info("listening for ztunnel", "socket", path)
+	return nil
+}
+
+func removeStaleSocket(path string) error {
+	fi, err := os.Lstat(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("zds: inspect %s: %w", path, err)
+	}
+	if fi.Mode().Type() != fs.ModeSocket {
+		return fmt.Errorf("zds: %s exists and is not a socket; refusing to replace it", path)
+	}
+	c, err := net.DialTimeout("unixpacket", path, time.Second)
+	if err == nil {
+		c.Close()
+		return fmt.Errorf("zds: another process is already serving %s", path)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("zds: remove stale socket: %w", err)
+	}
+	return nil
+}
+
+// Serve accepts connections until ctx ends, then closes every connection.
+// Closing a connection leaves ztunnel's proxies running: it reconnects and
+// receives a fresh snapshot.
+func (s *Server) Serve(ctx context.Context) error {
+	s.mu.Lock()
+	ln := s.listener
+	s.mu.Unlock()
+	if ln == nil {
+		if err := s.Listen(); err != nil {
+			return err
+		}
+		s.mu.Lock()
+		ln = s.listener
+		s.mu.Unlock()
+	}
+	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	defer stop()
+
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer s.closeAll()
+	var tempDelay time.Duration
+	for {
+		uc, err := ln.AcceptUnix()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			if errors.Is(err, net.ErrClosed) {
+				return fmt.Errorf("zds: listener closed: %w", err)
+			}
+			// Transient (EMFILE and the like): back off, keep serving.
+			tempDelay = min(max(2*tempDelay, 5*time.Millisecond), time.Second)
+			s.log.Error("accept failed", "err", err, "retryIn", tempDelay)
+			time.Sleep(tempDelay)
+			continue
+		}
+		tempDelay = 0
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s.handle(ctx, uc)
+		}()
+	}
+}
+
+func (s *Server) closeAll() {
+	s.mu.Lock()
+	conns := append([]*conn(nil), s.conns...)
+	s.mu.Unlock()
+	for _, c := range conns {
+		c.fail(errors.New("server shutting down"))
+	}
+}
+
+// State returns the current readiness signal.
+func (s *Server) State() State {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.stateLocked()
+}
+
+// Subscribe returns a channel that always holds the latest State after a
+// change (older undelivered values are replaced, so a slow reader never
+// blocks the server), starting with the current one. cancel releases it.
+func (s *Server) Subscribe() (<-chan State, func()) {
+	ch := make(chan State, 1)
+	s.mu.Lock()
+	s.subs[ch] = struct{}{}
+	ch <- s.stateLocked()
+	s.mu.Unlock()
+	return ch, func() {
+		s.mu.Lock()
+		delete(s.subs, ch)
+		s.mu.Unlock()
+	}
+}
+
+func (s *Server) stateLocked() State {
+	st := State{Connections: len(s.conns)}
+	for _, c := range s.conns {
+		if c.snapshotAcked {
+			st.Ready = true
+		}
+	}
+	return st
+}
+
+// publishLocked tells subscribers about a change. Callers hold s.mu, which
+// makes this the only sender on each channel, so the drain-then-send below
+// never blocks.
+func (s *Server) publishLocked() {
+	st := s.stateLocked()
+	if st == s.published {
+		return
+	}
+	if st.Ready != s.published.Ready {
+		s.log.Info("ztunnel readiness changed", "ready", st.Ready, "connections", st.Connections)
+	}
+	s.published = st
+	for ch := range s.subs {
+		select {
+		case <-ch:
+		default:
+		}
+		ch <- st
+	}
+}
+
+// Add tells the newest connection about a pod and returns once ztunnel has
+// acknowledged it, which means its listeners exist inside the pod. An Ack
+// with an error comes back as *AckError.
+func (s *Server) Add(ctx context.Context, w Workload) error {
+	if w.NetNS == nil {
+		return fmt.Errorf("zds: Add of pod %s without a netns", w.UID)
+	}
+	msg, err := addRequest(w)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	var newest *conn
+	if n := len(s.conns); n > 0 {
+		newest = s.conns[n-1]
+	}
+	s.mu.Unlock()
+	if newest == nil {
+		return ErrNoConnection
+	}
+	return newest.do(ctx, &request{op: "add", uid: w.UID, payload: msg, netns: w.NetNS})
+}
+
+// Del tells every connection that a pod is gone. With no connection there is
+// nobody to tell and Del succeeds: the next snapshot will not name the pod.
+func (s *Server) Del(ctx context.Context, uid string) error {
+	if uid == "" {
+		return errors.New("zds: Del without a uid")
+	}
+	msg, err := Marshal(&zdspb.WorkloadRequest{Payload: &zdspb.WorkloadRequest_Del{Del: &zdspb.DelWorkload{Uid: uid}}})
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	conns := append([]*conn(nil), s.conns...)
+	s.mu.Unlock()
+	errs := make([]error, len(conns))
+	var wg sync.WaitGroup
+	for i, c := range conns {
+		wg.Go(func() {
+			err := c.do(ctx, &request{op: "del", uid: uid, payload: msg})
+			if errors.Is(err, ErrConnectionClosed) {
+				// A ztunnel that went away forgets the pod with its
+				// connection; there is nothing left to delete there.
+				err = nil
+			}
+			errs[i] = err
+		})
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// Kubernetes' own limits on the names an Add carries (a namespace is a DNS
+// label, pod and service account names DNS subdomains, a uid a UUID with room
+// to spare). Together they keep any Add inside the 1 KiB datagram, so these
+// checks only reject data that did not come from Kubernetes.
+var fieldLimits = []struct {
+	field string
+	max   int
+	value func(Workload) string
+}{
+	{"uid", maxUIDLen, func(w Workload) string { return w.UID }},
+	{"namespace", 63, func(w Workload) string { return w.Namespace }},
+	{"name", 253, func(w Workload) string { return w.Name }},
+	{"service account", 253, func(w Workload) string { return w.ServiceAccount }},
+}
+
+const maxUIDLen = 128
+
+func addRequest(w Workload) ([]byte, error) {
+	for _, f := range fieldLimits {
+		if v := f.value(w); len(v) > f.max {
+			return nil, fmt.Errorf("%w: pod %.63s/%.253s: %s is %d bytes (at most %d)", ErrMessageTooLarge, w.Namespace, w.Name, f.field, len(v), f.max)
+		}
+	}
+	if w.UID == "" {
+		return nil, fmt.Errorf("zds: pod %s/%s has no uid", w.Namespace, w.Name)
+	}
+	return Marshal(&zdspb.WorkloadRequest{Payload: &zdspb.WorkloadRequest_Add{Add: &zdspb.AddWorkload{
+		Uid: w.UID,
+		WorkloadInfo: &zdspb.WorkloadInfo{
+			Name:           w.Name,
+			Namespace:      w.Namespace,
+			ServiceAccount: w.ServiceAccount,
+		},
+	}}})
+}
+
+func (s *Server) handle(ctx context.Context, uc *net.UnixConn) {
+	defer uc.Close()
+	log := s.log
+	cred, err := peerCred(uc)
+	if err != nil {
+		log.Error("rejecting connection: cannot read peer credentials", "err", err)
+		return
+	}
+	log = log.With("peerPID", cred.Pid)
+	if !s.peerAllowed(cred.Uid) {
+		log.Warn("rejecting connection from a non-root peer", "peerUID", cred.Uid)
+		return
+	}
+	if err := s.readHello(uc); err != nil {
+		log.Error("rejecting connection", "err", err)
+		return
+	}
+
+	s.mu.Lock()
+	s.nextID++
+	c := newConn(s.nextID, uc, s.cfg.AckTimeout, log.With("conn", s.nextID))
+	s.conns = append(s.conns, c)
+	s.publishLocked()
+	s.mu.Unlock()
+	c.log.Info("ztunnel connected")
+
+	go c.readLoop()
+	err = c.run(ctx, s.cfg.Source, func() {
+		s.mu.Lock()
+		c.snapshotAcked = true
+		s.publishLocked()
+		s.mu.Unlock()
+	})
+	c.fail(err)
+	s.mu.Lock()
+	for i, x := range s.conns {
+		if x == c {
+			s.conns = append(s.conns[:i], s.conns[i+1:]...)
+			break
+		}
+	}
+	s.publishLocked()
+	s.mu.Unlock()
+	c.log.Info("ztunnel disconnected", "reason", c.closeReason())
+}
+
+func (s *Server) peerAllowed(uid uint32) bool {
+	for _, u := range s.cfg.AllowedPeerUIDs {
+		if u == uid {
+			return true
+		}
+	}
+	return false
+}
+
+func (s *Server) readHello(uc *net.UnixConn) error {
+	if err := uc.SetReadDeadline(time.Now().Add(s.cfg.HelloTimeout)); err != nil {
+		return err
+	}
+	d, err := ReadDatagram(uc)
+	if err != nil {
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			return fmt.Errorf("zds: no ZdsHello within %s", s.cfg.HelloTimeout)
+		}
+		return fmt.Errorf("zds: read ZdsHello: %w", err)
+	}
+	if len(d.FDs) > 0 {
+		d.CloseFDs()
+		return errors.New("zds: ZdsHello carried file descriptors")
+	}
+	if err := DecodeHello(d.Payload); err != nil {
+		return err
+	}
+	return uc.SetReadDeadline(time.Time{})
+}
+
+func peerCred(uc *net.UnixConn) (*unix.Ucred, error) {
+	rc, err := uc.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var cred *unix.Ucred
+	var credErr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return nil, err
+	}
+	return cred, credErr
+}
+
+// isPeerGone reports errors that mean the other end has gone away.
+func isPeerGone(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || errors.Is(err, syscall.EPIPE) ||
+		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.ENOTCONN)
+}
