@@ -1,0 +1,405 @@
+// Package ztunnel is a test peer that plays Istio's ztunnel on the ZDS wire
+// and in the kernel. It is not a proxy.
+//
+// It connects to the agent's socket, says hello, and checks every message the
+// way ztunnel does: an fd only on Add and exactly one there, that fd a network
+// namespace, Keep only inside the snapshot, a single SnapshotSent, an Add
+// naming its workload. A violation is recorded (ProtocolErrors) and ends the
+// connection, as it ends ztunnel's in-pod mode. For each Add it enters the
+// pod's netns and binds real TCP listeners on ztunnel's ports, marked with
+// ztunnel's SO_MARK, and acks only once they listen; a Del closes them. Each
+// listener answers a connection with one line naming the port, the original
+// destination (SO_ORIGINAL_DST) and the peer, then closes it, so tests can see
+// where redirected traffic landed.
+package ztunnel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/inpod-dev/inpod/netns"
+	"github.com/inpod-dev/inpod/zds"
+	"github.com/inpod-dev/inpod/zds/zdspb"
+)
+
+// ztunnel's in-pod ports and socket mark.
+const (
+	PortOutbound = 15001
+	PortInbound  = 15006
+	PortHBONE    = 15008
+	PortDNS      = 15053
+	Mark         = 0x539
+)
+
+// Config configures a Standin.
+type Config struct {
+	SocketPath string
+	// DNS also binds 15053 (TCP and UDP), as ztunnel does with DNS capture.
+	DNS bool
+	// MinBackoff and MaxBackoff bound the reconnect delay.
+	MinBackoff, MaxBackoff time.Duration
+	// Fault injection for tests: AckDelay holds back the Ack of every Add
+	// (a slow proxy start); Reject, when it returns non-empty, answers that
+	// Add with an error Ack.
+	AckDelay time.Duration
+	Reject   func(uid string) string
+	Logger   *slog.Logger
+}
+
+// Workload is what the stand-in runs for one pod.
+type Workload struct {
+	UID, Name, Namespace, ServiceAccount string
+	NetNS                                netns.Identity
+}
+
+// Accepted is one connection a listener answered.
+type Accepted struct {
+	UID      string
+	Port     int
+	OrigDst  string
+	Peer     string
+	Received time.Time
+}
+
+// Standin is the fake ztunnel.
+type Standin struct {
+	cfg Config
+	log *slog.Logger
+
+	mu             sync.Mutex
+	workloads      map[string]*workload
+	connected      bool
+	snapshotDone   bool
+	connects       int
+	protocolErrors []error
+	accepted       []Accepted
+}
+
+type workload struct {
+	info      Workload
+	netns     *os.File
+	listeners []closer
+}
+
+type closer interface{ Close() error }
+
+// New returns a stand-in; Run connects it.
+func New(cfg Config) *Standin {
+	if cfg.SocketPath == "" {
+		cfg.SocketPath = zds.DefaultSocketPath
+	}
+	if cfg.MinBackoff <= 0 {
+		cfg.MinBackoff = 50 * time.Millisecond
+	}
+	if cfg.MaxBackoff <= 0 {
+		cfg.MaxBackoff = 5 * time.Second
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Standin{cfg: cfg, log: log.With("component", "ztunnel-standin"), workloads: map[string]*workload{}}
+}
+
+// Run keeps a connection to the agent until ctx ends, reconnecting with
+// exponential backoff. Workloads outlive connections, as ztunnel's proxies
+// outlive an agent restart; Run's end closes them all.
+func (z *Standin) Run(ctx context.Context) error {
+	defer z.closeAll()
+	backoff := z.cfg.MinBackoff
+	for {
+		err := z.session(ctx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		z.log.Info("disconnected from agent; reconnecting", "err", err, "in", backoff)
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, z.cfg.MaxBackoff)
+		if err == nil {
+			backoff = z.cfg.MinBackoff
+		}
+	}
+}
+
+func (z *Standin) session(ctx context.Context) error {
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "unixpacket", z.cfg.SocketPath)
+	if err != nil {
+		return err
+	}
+	uc := c.(*net.UnixConn)
+	stop := context.AfterFunc(ctx, func() { uc.Close() })
+	defer stop()
+	defer uc.Close()
+
+	hello, _ := proto.Marshal(&zdspb.ZdsHello{Version: zdspb.Version_V1})
+	if _, err := uc.Write(hello); err != nil {
+		return fmt.Errorf("send hello: %w", err)
+	}
+	z.mu.Lock()
+	z.connected = true
+	z.snapshotDone = false
+	z.connects++
+	z.mu.Unlock()
+	defer func() {
+		z.mu.Lock()
+		z.connected = false
+		z.mu.Unlock()
+	}()
+
+	named := map[string]bool{} // uids the current snapshot named
+	for {
+		d, err := zds.ReadDatagram(uc)
+		if err != nil {
+			if errors.Is(err, zds.ErrTruncated) {
+				return z.protocolError(err)
+			}
+			return err
+		}
+		ackErr, isAdd, perr := z.handle(d, named)
+		if perr != nil {
+			return z.protocolError(perr)
+		}
+		if isAdd && z.cfg.AckDelay > 0 {
+			select { // fault injection: a slow proxy start
+			case <-ctx.Done():
+				return nil
+			case <-time.After(z.cfg.AckDelay):
+			}
+		}
+		resp, _ := proto.Marshal(&zdspb.WorkloadResponse{Payload: &zdspb.WorkloadResponse_Ack{Ack: &zdspb.Ack{Error: ackErr}}})
+		if _, err := uc.Write(resp); err != nil {
+			return fmt.Errorf("send ack: %w", err)
+		}
+	}
+}
+
+func (z *Standin) protocolError(err error) error {
+	z.log.Error("ZDS protocol error; leaving in-pod mode for this connection", "err", err)
+	z.mu.Lock()
+	z.protocolErrors = append(z.protocolErrors, err)
+	z.mu.Unlock()
+	return err
+}
+
+// handle applies one request. ackErr is the Ack's error text (a failure for
+// that workload only); perr is a protocol violation that ends the connection.
+func (z *Standin) handle(d zds.Datagram, named map[string]bool) (ackErr string, isAdd bool, perr error) {
+	var req zdspb.WorkloadRequest
+	if err := proto.Unmarshal(d.Payload, &req); err != nil {
+		d.CloseFDs()
+		return "", false, fmt.Errorf("undecodable WorkloadRequest: %w", err)
+	}
+	_, isAdd = req.Payload.(*zdspb.WorkloadRequest_Add)
+	ackErr, perr = z.apply(&req, d, named)
+	return ackErr, isAdd, perr
+}
+
+func (z *Standin) apply(req *zdspb.WorkloadRequest, d zds.Datagram, named map[string]bool) (ackErr string, perr error) {
+	z.mu.Lock()
+	snapshotDone := z.snapshotDone
+	z.mu.Unlock()
+
+	if _, isAdd := req.Payload.(*zdspb.WorkloadRequest_Add); !isAdd && len(d.FDs) > 0 {
+		d.CloseFDs()
+		return "", fmt.Errorf("%T carried %d fds; only Add may carry one", req.Payload, len(d.FDs))
+	}
+	switch p := req.Payload.(type) {
+	case *zdspb.WorkloadRequest_Add:
+		if len(d.FDs) != 1 {
+			d.CloseFDs()
+			return "", fmt.Errorf("add of %s carried %d fds, want exactly 1", p.Add.GetUid(), len(d.FDs))
+		}
+		if err := netns.CheckFD(d.FDs[0]); err != nil {
+			d.CloseFDs()
+			return "", fmt.Errorf("add of %s: fd is not a network namespace: %w", p.Add.GetUid(), err)
+		}
+		z.log.Info("add received", "uid", p.Add.GetUid())
+		ns := os.NewFile(uintptr(d.FDs[0]), "netns:"+p.Add.GetUid())
+		if !snapshotDone {
+			named[p.Add.GetUid()] = true
+		}
+		if p.Add.GetWorkloadInfo() == nil {
+			ns.Close()
+			return "workload_info is required", nil
+		}
+		if msg := z.reject(p.Add.GetUid()); msg != "" {
+			ns.Close()
+			return msg, nil
+		}
+		if err := z.add(p.Add, ns); err != nil {
+			return err.Error(), nil
+		}
+		return "", nil
+	case *zdspb.WorkloadRequest_Keep:
+		if snapshotDone {
+			return "", fmt.Errorf("keep of %s after SnapshotSent", p.Keep.GetUid())
+		}
+		named[p.Keep.GetUid()] = true
+		return "", nil
+	case *zdspb.WorkloadRequest_SnapshotSent:
+		if snapshotDone {
+			return "", errors.New("second SnapshotSent on one connection")
+		}
+		z.dropUnnamed(named)
+		z.mu.Lock()
+		z.snapshotDone = true
+		z.mu.Unlock()
+		return "", nil
+	case *zdspb.WorkloadRequest_Del:
+		z.del(p.Del.GetUid())
+		return "", nil
+	default:
+		return "", fmt.Errorf("WorkloadRequest with no known payload (%d bytes)", len(d.Payload))
+	}
+}
+
+func (z *Standin) reject(uid string) string {
+	if z.cfg.Reject == nil {
+		return ""
+	}
+	return z.cfg.Reject(uid)
+}
+
+// add starts (or keeps) the workload's listeners. An Add for a running uid
+// with the same netns changes nothing; a different netns means the sandbox
+// was recreated, so the listeners move.
+func (z *Standin) add(a *zdspb.AddWorkload, ns *os.File) error {
+	id, err := netns.IdentityOf(int(ns.Fd()))
+	if err != nil {
+		ns.Close()
+		return err
+	}
+	z.mu.Lock()
+	old := z.workloads[a.GetUid()]
+	z.mu.Unlock()
+	if old != nil && old.info.NetNS == id {
+		ns.Close()
+		return nil
+	}
+	w := &workload{
+		info: Workload{
+			UID:            a.GetUid(),
+			Name:           a.GetWorkloadInfo().GetName(),
+			Namespace:      a.GetWorkloadInfo().GetNamespace(),
+			ServiceAccount: a.GetWorkloadInfo().GetServiceAccount(),
+			NetNS:          id,
+		},
+		netns: ns,
+	}
+	if err := z.listen(w); err != nil {
+		w.close()
+		return fmt.Errorf("start proxy for %s: %w", a.GetUid(), err)
+	}
+	z.mu.Lock()
+	z.workloads[a.GetUid()] = w
+	z.mu.Unlock()
+	if old != nil {
+		old.close()
+	}
+	z.log.Info("workload added", "uid", a.GetUid(), "pod", w.info.Namespace+"/"+w.info.Name, "netns", id)
+	return nil
+}
+
+func (z *Standin) del(uid string) {
+	z.mu.Lock()
+	w := z.workloads[uid]
+	delete(z.workloads, uid)
+	z.mu.Unlock()
+	if w != nil {
+		w.close()
+		z.log.Info("workload deleted", "uid", uid)
+	}
+}
+
+func (z *Standin) dropUnnamed(named map[string]bool) {
+	z.mu.Lock()
+	var drop []*workload
+	for uid, w := range z.workloads {
+		if !named[uid] {
+			drop = append(drop, w)
+			delete(z.workloads, uid)
+		}
+	}
+	z.mu.Unlock()
+	for _, w := range drop {
+		z.log.Info("workload not in snapshot; dropped", "uid", w.info.UID)
+		w.close()
+	}
+}
+
+func (z *Standin) closeAll() {
+	z.mu.Lock()
+	ws := z.workloads
+	z.workloads = map[string]*workload{}
+	z.mu.Unlock()
+	for _, w := range ws {
+		w.close()
+	}
+}
+
+func (w *workload) close() {
+	for _, l := range w.listeners {
+		l.Close()
+	}
+	w.listeners = nil
+	w.netns.Close()
+}
+
+// Connected reports whether a connection is up and past its hello.
+func (z *Standin) Connected() bool {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	return z.connected
+}
+
+// SnapshotDone reports whether the current connection's snapshot has ended.
+func (z *Standin) SnapshotDone() bool {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	return z.connected && z.snapshotDone
+}
+
+// Connects counts the connections made so far.
+func (z *Standin) Connects() int {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	return z.connects
+}
+
+// Workloads lists the running workloads by uid.
+func (z *Standin) Workloads() map[string]Workload {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	out := make(map[string]Workload, len(z.workloads))
+	for uid, w := range z.workloads {
+		out[uid] = w.info
+	}
+	return out
+}
+
+// ProtocolErrors lists every protocol violation seen.
+func (z *Standin) ProtocolErrors() []error {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	return append([]error(nil), z.protocolErrors...)
+}
+
+// AcceptedConns lists the connections the listeners answered.
+func (z *Standin) AcceptedConns() []Accepted {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	return append([]Accepted(nil), z.accepted...)
+}
