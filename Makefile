@@ -46,7 +46,8 @@ test-unit:
 # Benchmarks print medians, p99s and ratios against baselines measured in
 # the same run.
 bench: deps
-	$(GO) test -run '^$$' -bench . -benchtime 2000x ./zds/...
+	$(GO) test -run '^$$' -bench . -benchtime 2000x ./zds/
+	$(GO) test -run '^$$' -bench . -benchtime 200x ./agent/redirect/
 
 # Pinned Kubernetes and etcd binaries for the test node, cached outside the
 # repo (INPOD_CACHE_DIR, default /var/cache/inpod): ~17 min cold, seconds warm.

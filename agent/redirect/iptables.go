@@ -183,10 +183,11 @@ func (b *IPTables) Present(ns *os.File) (bool, error) {
 	return false, nil
 }
 
-// present answers "might inpod rules be here?" without exec: iptables-nft
-// keeps its chains in nf_tables, readable over netlink; legacy tables show
-// in the netns' procfs once created. A true answer sends Apply down the
-// iptables-save path, which decides for certain.
+// present answers "are inpod chains here?" as cheaply as it can: iptables-nft
+// keeps its chains in nf_tables, readable over netlink without exec; legacy
+// tables show in the netns' procfs once created, and only when some exist
+// does iptables-save have to look inside. A fresh pod netns has neither, so
+// its first Apply costs exactly one restore per family.
 func (b *IPTables) present(ns *os.File, f Family) (bool, error) {
 	if b.mode == IPTablesLegacy {
 		names := "ip_tables_names"
@@ -205,7 +206,16 @@ func (b *IPTables) present(ns *os.File, f Family) (bool, error) {
 		if err != nil {
 			return false, fmt.Errorf("redirect: read legacy table list: %w", err)
 		}
-		return len(bytes.TrimSpace(tables)) > 0, nil
+		if len(bytes.TrimSpace(tables)) == 0 {
+			return false, nil
+		}
+		// Legacy tables cannot be deleted once created, so their existence
+		// says little; only here does the look-up need an exec.
+		saved, err := b.save(ns, f)
+		if err != nil {
+			return false, err
+		}
+		return len(saved.tablesWithInpodChains()) > 0, nil
 	}
 	conn, err := nftables.New(nftables.WithNetNSFd(int(ns.Fd())))
 	if err != nil {
