@@ -1,0 +1,284 @@
+// Package cluster runs a real Kubernetes for inpod's integration and
+// end-to-end tests without Docker: etcd and kube-apiserver with a self-made
+// PKI (ControlPlane), and optionally a full single node with
+// controller-manager, scheduler, containerd, the kubelet and the reference
+// CNI plugins (Node). Binaries come from `make k8s-bins`.
+//
+// Every process is started and stopped by pid and lives under one state
+// root; starting first clears what a killed earlier run left there.
+package cluster
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+)
+
+// BinDirEnv names the directory holding the Kubernetes and etcd binaries;
+// the Makefile sets it from `make k8s-bins`.
+const BinDirEnv = "INPOD_K8S_BIN_DIR"
+
+// Config says where the binaries are and where state goes.
+type Config struct {
+	// BinDir holds etcd, kube-apiserver, … (default: $INPOD_K8S_BIN_DIR).
+	BinDir string
+	// Root is the state root; everything the cluster writes is under it
+	// (default /var/lib/inpod-e2e). Leftovers there are cleared at start.
+	Root string
+	// NodeIP is the address the node reports (default: the address of the
+	// interface holding the default route).
+	NodeIP string
+}
+
+func (c *Config) defaults() error {
+	if c.BinDir == "" {
+		c.BinDir = os.Getenv(BinDirEnv)
+	}
+	if c.BinDir == "" {
+		return fmt.Errorf("cluster: no binaries: set %s (make k8s-bins prints it)", BinDirEnv)
+	}
+	for _, b := range []string{"etcd", "kube-apiserver"} {
+		if _, err := os.Stat(filepath.Join(c.BinDir, b)); err != nil {
+			return fmt.Errorf("cluster: %s not in %s: run make k8s-bins", b, c.BinDir)
+		}
+	}
+	if c.Root == "" {
+		c.Root = "/var/lib/inpod-e2e"
+	}
+	if c.NodeIP == "" {
+		ip, err := primaryIP()
+		if err != nil {
+			return err
+		}
+		c.NodeIP = ip
+	}
+	return nil
+}
+
+// ControlPlane is etcd plus kube-apiserver.
+type ControlPlane struct {
+	cfg     Config
+	pki     *pki
+	procs   []*process
+	apiPort int
+	// apiserverArgs are added to kube-apiserver's command line.
+	apiserverArgs []string
+	Kubeconfig    string // admin kubeconfig
+	Rest          *rest.Config
+	Client        kubernetes.Interface
+}
+
+// StartControlPlane brings up etcd and kube-apiserver and waits until the
+// apiserver is ready. Stop it with Stop.
+func StartControlPlane(ctx context.Context, cfg Config) (*ControlPlane, error) {
+	if err := cfg.defaults(); err != nil {
+		return nil, err
+	}
+	if err := clearLeftovers(cfg.Root); err != nil {
+		return nil, err
+	}
+	// Without a controller-manager nobody creates service accounts, so the
+	// admission plugin that demands them would refuse every pod.
+	cp := &ControlPlane{cfg: cfg, apiserverArgs: []string{"--disable-admission-plugins", "ServiceAccount"}}
+	if err := cp.start(ctx); err != nil {
+		cp.Stop()
+		return nil, err
+	}
+	return cp, nil
+}
+
+func (cp *ControlPlane) start(ctx context.Context) error {
+	root := cp.cfg.Root
+	var err error
+	if cp.pki, err = newPKI(filepath.Join(root, "pki")); err != nil {
+		return err
+	}
+	nodeIP := net.ParseIP(cp.cfg.NodeIP)
+	if err := cp.pki.issue("apiserver", "kube-apiserver", nil, true,
+		[]net.IP{net.ParseIP("127.0.0.1"), nodeIP, net.ParseIP(serviceIP)},
+		[]string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"}); err != nil {
+		return err
+	}
+	for _, c := range []struct{ name, cn, org string }{
+		{"admin", "inpod-e2e-admin", "system:masters"},
+		{"apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters"},
+		{"controller-manager", "system:kube-controller-manager", ""},
+		{"scheduler", "system:kube-scheduler", ""},
+	} {
+		var orgs []string
+		if c.org != "" {
+			orgs = []string{c.org}
+		}
+		if err := cp.pki.issue(c.name, c.cn, orgs, false, nil, nil); err != nil {
+			return err
+		}
+	}
+	if err := cp.pki.serviceAccountKeys(); err != nil {
+		return err
+	}
+
+	ports, err := freePorts(3)
+	if err != nil {
+		return err
+	}
+	etcdURL := "http://127.0.0.1:" + strconv.Itoa(ports[0])
+	etcd, err := startProcess(root, "etcd", filepath.Join(cp.cfg.BinDir, "etcd"), []string{
+		"--data-dir", filepath.Join(root, "etcd"),
+		"--listen-client-urls", etcdURL, "--advertise-client-urls", etcdURL,
+		"--listen-peer-urls", "http://127.0.0.1:" + strconv.Itoa(ports[1]),
+		"--initial-advertise-peer-urls", "http://127.0.0.1:" + strconv.Itoa(ports[1]),
+		"--initial-cluster", "default=http://127.0.0.1:" + strconv.Itoa(ports[1]),
+		"--unsafe-no-fsync", "--log-level", "warn",
+	}, nil)
+	if err != nil {
+		return err
+	}
+	cp.procs = append(cp.procs, etcd)
+
+	cp.apiPort = ports[2]
+	p := cp.pki.path
+	api, err := startProcess(root, "kube-apiserver", filepath.Join(cp.cfg.BinDir, "kube-apiserver"), append([]string{
+		"--etcd-servers", etcdURL,
+		"--bind-address", "127.0.0.1",
+		"--secure-port", strconv.Itoa(cp.apiPort),
+		"--advertise-address", cp.cfg.NodeIP,
+		"--cert-dir", filepath.Join(root, "pki"),
+		"--tls-cert-file", p("apiserver.crt"), "--tls-private-key-file", p("apiserver.key"),
+		"--client-ca-file", p("ca.crt"),
+		"--kubelet-client-certificate", p("apiserver-kubelet-client.crt"),
+		"--kubelet-client-key", p("apiserver-kubelet-client.key"),
+		"--kubelet-preferred-address-types", "InternalIP,Hostname",
+		"--service-account-key-file", p("sa.pub"),
+		"--service-account-signing-key-file", p("sa.key"),
+		"--service-account-issuer", "https://kubernetes.default.svc",
+		"--service-cluster-ip-range", serviceCIDR,
+		"--authorization-mode", "Node,RBAC",
+		"--allow-privileged=true",
+		"--enable-priority-and-fairness=false",
+	}, cp.apiserverArgs...), nil)
+	if err != nil {
+		return err
+	}
+	cp.procs = append(cp.procs, api)
+
+	cp.Kubeconfig = filepath.Join(root, "admin.kubeconfig")
+	if err := cp.writeKubeconfig(cp.Kubeconfig, "admin"); err != nil {
+		return err
+	}
+	if cp.Rest, err = clientcmd.BuildConfigFromFlags("", cp.Kubeconfig); err != nil {
+		return err
+	}
+	if cp.Client, err = kubernetes.NewForConfig(cp.Rest); err != nil {
+		return err
+	}
+	return poll(60*time.Second, "kube-apiserver /readyz", func() (bool, error) {
+		for _, pr := range cp.procs {
+			if err := pr.running(); err != nil {
+				return false, err
+			}
+		}
+		if ctx.Err() != nil {
+			return false, ctx.Err()
+		}
+		body, err := cp.Client.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(ctx)
+		return err == nil && string(body) == "ok", err
+	})
+}
+
+// serviceCIDR is a range reserved for benchmarking (RFC 2544), so no
+// cluster address can collide with a real network; serviceIP is its first
+// address, the apiserver's "kubernetes" service.
+const (
+	serviceCIDR = "198.18.128.0/24"
+	serviceIP   = "198.18.128.1"
+)
+
+// Server is the apiserver URL.
+func (cp *ControlPlane) Server() string {
+	return fmt.Sprintf("https://127.0.0.1:%d", cp.apiPort)
+}
+
+// writeKubeconfig writes a kubeconfig authenticating with the named client
+// certificate of the PKI.
+func (cp *ControlPlane) writeKubeconfig(path, cert string) error {
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters["e2e"] = &clientcmdapi.Cluster{Server: cp.Server(), CertificateAuthority: cp.pki.path("ca.crt")}
+	cfg.AuthInfos[cert] = &clientcmdapi.AuthInfo{ClientCertificate: cp.pki.path(cert + ".crt"), ClientKey: cp.pki.path(cert + ".key")}
+	cfg.Contexts["e2e"] = &clientcmdapi.Context{Cluster: "e2e", AuthInfo: cert}
+	cfg.CurrentContext = "e2e"
+	return clientcmd.WriteToFile(*cfg, path)
+}
+
+// Stop stops every process in reverse order and removes the state root.
+func (cp *ControlPlane) Stop() error {
+	for i := len(cp.procs) - 1; i >= 0; i-- {
+		cp.procs[i].stop(10 * time.Second)
+	}
+	cp.procs = nil
+	return os.RemoveAll(cp.cfg.Root)
+}
+
+// Logs returns the tail of a component's log, for test failure messages.
+func (cp *ControlPlane) Logs(name string, lines int) string {
+	return tail(filepath.Join(cp.cfg.Root, "logs", name+".log"), lines)
+}
+
+func freePorts(n int) ([]int, error) {
+	var ports []int
+	var lns []net.Listener
+	defer func() {
+		for _, l := range lns {
+			l.Close()
+		}
+	}()
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		lns = append(lns, l)
+		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	}
+	return ports, nil
+}
+
+// primaryIP is the machine's own address: the one on the interface of the
+// default route. The node registers with it; no traffic leaves the machine.
+func primaryIP() (string, error) {
+	ifaces, err := net.Interfaces()
+	if err != nil {
+		return "", err
+	}
+	routes, err := os.ReadFile("/proc/net/route")
+	if err != nil {
+		return "", err
+	}
+	for _, line := range splitLines(string(routes))[1:] {
+		var iface, dst string
+		if _, err := fmt.Sscan(line, &iface, &dst); err != nil || dst != "00000000" {
+			continue
+		}
+		for _, i := range ifaces {
+			if i.Name != iface {
+				continue
+			}
+			addrs, _ := i.Addrs()
+			for _, a := range addrs {
+				if ipn, ok := a.(*net.IPNet); ok && ipn.IP.To4() != nil {
+					return ipn.IP.String(), nil
+				}
+			}
+		}
+	}
+	return "", errors.New("cluster: no IPv4 address on the default-route interface; set Config.NodeIP")
+}

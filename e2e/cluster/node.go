@@ -1,0 +1,456 @@
+package cluster
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/inpod-dev/inpod/e2e/images"
+)
+
+// CNIBinDirEnv names the directory with the reference CNI plugins; the
+// Makefile sets it from hack/cni-bins.sh.
+const CNIBinDirEnv = "INPOD_CNI_BIN_DIR"
+
+// Names and ranges of the node's networking. The pod range is reserved for
+// benchmarking (RFC 2544) so it cannot collide with any real network.
+const (
+	BridgeName  = "inpodbr0"
+	PodCIDR     = "198.18.0.0/24"
+	NetworkName = "e2e"
+)
+
+// NodeConfig adds what a full node needs to Config.
+type NodeConfig struct {
+	Config
+	// CNIBinDir holds bridge, host-local, loopback, portmap (default:
+	// $INPOD_CNI_BIN_DIR).
+	CNIBinDir string
+	// RepoDir is the inpod module root, for building images.
+	RepoDir string
+	// ExtraImages are built and imported besides pause and testapp.
+	ExtraImages []images.Image
+}
+
+// Node is a single-node cluster.
+type Node struct {
+	*ControlPlane
+	cfg         NodeConfig
+	Name        string
+	CNIBin      string // the node's CNI bin dir (plugins are copied here)
+	CNIConf     string // the node's CNI conf dir
+	KubeletDir  string
+	Containerd  string // containerd's socket
+	netnsBefore map[string]bool
+}
+
+// StartNode brings up a full node and waits until it is Ready with its
+// images imported. Stop it with Stop.
+func StartNode(ctx context.Context, cfg NodeConfig) (*Node, error) {
+	if cfg.CNIBinDir == "" {
+		cfg.CNIBinDir = os.Getenv(CNIBinDirEnv)
+	}
+	if cfg.CNIBinDir == "" {
+		return nil, fmt.Errorf("cluster: no CNI plugins: set %s (hack/cni-bins.sh prints it)", CNIBinDirEnv)
+	}
+	for _, b := range []string{"containerd", "containerd-shim-runc-v2", "runc", "ctr"} {
+		if _, err := exec.LookPath(b); err != nil {
+			return nil, fmt.Errorf("cluster: %s not installed (apt-get install containerd runc): %w", b, err)
+		}
+	}
+	if err := cfg.defaults(); err != nil {
+		return nil, err
+	}
+	if err := clearLeftovers(cfg.Root); err != nil {
+		return nil, err
+	}
+	host, err := os.Hostname()
+	if err != nil {
+		return nil, err
+	}
+	n := &Node{
+		ControlPlane: &ControlPlane{cfg: cfg.Config},
+		cfg:          cfg,
+		Name:         strings.ToLower(host),
+		CNIBin:       filepath.Join(cfg.Root, "cni", "bin"),
+		CNIConf:      filepath.Join(cfg.Root, "cni", "net.d"),
+		KubeletDir:   filepath.Join(cfg.Root, "kubelet"),
+		Containerd:   filepath.Join(cfg.Root, "containerd", "containerd.sock"),
+		netnsBefore:  listNetns(),
+	}
+	if err := n.start(ctx); err != nil {
+		n.Stop()
+		return nil, err
+	}
+	return n, nil
+}
+
+func (n *Node) start(ctx context.Context) error {
+	if err := n.ControlPlane.start(ctx); err != nil {
+		return err
+	}
+	root := n.cfg.Root
+	p := n.pki.path
+	if err := n.pki.issue("kubelet", "system:node:"+n.Name, []string{"system:nodes"}, false, nil, nil); err != nil {
+		return err
+	}
+	for _, c := range []string{"controller-manager", "scheduler", "kubelet"} {
+		if err := n.writeKubeconfig(filepath.Join(root, c+".kubeconfig"), c); err != nil {
+			return err
+		}
+	}
+	if err := writePEMKey(p("ca.key"), n.pki); err != nil {
+		return err
+	}
+	ports, err := freePorts(4)
+	if err != nil {
+		return err
+	}
+
+	cm, err := startProcess(root, "kube-controller-manager", filepath.Join(n.cfg.BinDir, "kube-controller-manager"), []string{
+		"--kubeconfig", filepath.Join(root, "controller-manager.kubeconfig"),
+		"--authentication-kubeconfig", filepath.Join(root, "controller-manager.kubeconfig"),
+		"--authorization-kubeconfig", filepath.Join(root, "controller-manager.kubeconfig"),
+		"--bind-address", "127.0.0.1", "--secure-port", strconv.Itoa(ports[0]),
+		"--service-account-private-key-file", p("sa.key"),
+		"--root-ca-file", p("ca.crt"),
+		"--cluster-signing-cert-file", p("ca.crt"), "--cluster-signing-key-file", p("ca.key"),
+		"--use-service-account-credentials",
+		"--leader-elect=false",
+		"--controllers", "*,-nodeipam",
+	}, nil)
+	if err != nil {
+		return err
+	}
+	n.procs = append(n.procs, cm)
+	sched, err := startProcess(root, "kube-scheduler", filepath.Join(n.cfg.BinDir, "kube-scheduler"), []string{
+		"--kubeconfig", filepath.Join(root, "scheduler.kubeconfig"),
+		"--authentication-kubeconfig", filepath.Join(root, "scheduler.kubeconfig"),
+		"--authorization-kubeconfig", filepath.Join(root, "scheduler.kubeconfig"),
+		"--bind-address", "127.0.0.1", "--secure-port", strconv.Itoa(ports[1]),
+		"--leader-elect=false",
+	}, nil)
+	if err != nil {
+		return err
+	}
+	n.procs = append(n.procs, sched)
+
+	if err := n.setupCNI(); err != nil {
+		return err
+	}
+	if err := n.startContainerd(ctx); err != nil {
+		return err
+	}
+	if err := n.importImages(ctx); err != nil {
+		return err
+	}
+	if err := n.startKubelet(ports[2], ports[3]); err != nil {
+		return err
+	}
+	if err := poll(90*time.Second, "node Ready", func() (bool, error) {
+		for _, pr := range n.procs {
+			if err := pr.running(); err != nil {
+				return false, err
+			}
+		}
+		node, err := n.Client.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		for _, c := range node.Status.Conditions {
+			if c.Type == corev1.NodeReady {
+				return c.Status == corev1.ConditionTrue, fmt.Errorf("Ready=%s: %s", c.Status, c.Message)
+			}
+		}
+		return false, nil
+	}); err != nil {
+		return err
+	}
+	// Pods are refused until the controller-manager made the namespace's
+	// service account.
+	return poll(30*time.Second, "default service account", func() (bool, error) {
+		_, err := n.Client.CoreV1().ServiceAccounts("default").Get(ctx, "default", metav1.GetOptions{})
+		return err == nil, err
+	})
+}
+
+func writePEMKey(path string, p *pki) error {
+	der, err := marshalECKey(p)
+	if err != nil {
+		return err
+	}
+	return writePEM(path, "EC PRIVATE KEY", der)
+}
+
+// setupCNI copies the reference plugins into the node's bin dir and writes
+// the primary conflist: bridge with host-local, then portmap.
+func (n *Node) setupCNI() error {
+	for _, d := range []string{n.CNIBin, n.CNIConf} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
+	for _, plugin := range []string{"bridge", "host-local", "loopback", "portmap"} {
+		data, err := os.ReadFile(filepath.Join(n.cfg.CNIBinDir, plugin))
+		if err != nil {
+			return fmt.Errorf("cluster: CNI plugin %s: %w", plugin, err)
+		}
+		if err := os.WriteFile(filepath.Join(n.CNIBin, plugin), data, 0o755); err != nil {
+			return err
+		}
+	}
+	conflist := map[string]any{
+		"cniVersion": "1.0.0",
+		"name":       NetworkName,
+		"plugins": []any{
+			map[string]any{
+				"type": "bridge", "bridge": BridgeName, "isGateway": true, "ipMasq": false,
+				"ipam": map[string]any{
+					"type":    "host-local",
+					"ranges":  [][]map[string]string{{{"subnet": PodCIDR}}},
+					"routes":  []map[string]string{{"dst": "0.0.0.0/0"}},
+					"dataDir": filepath.Join(n.cfg.Root, "cni", "ipam"),
+				},
+			},
+			map[string]any{"type": "portmap", "capabilities": map[string]bool{"portMappings": true}},
+		},
+	}
+	data, err := json.MarshalIndent(conflist, "", "  ")
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(n.CNIConf, "10-e2e.conflist"), data, 0o644)
+}
+
+func (n *Node) startContainerd(ctx context.Context) error {
+	dir := filepath.Join(n.cfg.Root, "containerd")
+	if err := os.MkdirAll(dir, 0o711); err != nil {
+		return err
+	}
+	// restrict_oom_score_adj: without CAP_SYS_RESOURCE every sandbox would
+	// fail to start; cgroupfs: the machine has no systemd cgroup manager.
+	config := fmt.Sprintf(`version = 2
+root = %[1]q
+state = %[2]q
+[grpc]
+  address = %[3]q
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = %[4]q
+  restrict_oom_score_adj = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = %[5]q
+    conf_dir = %[6]q
+`, filepath.Join(dir, "root"), filepath.Join(dir, "state"), n.Containerd, images.PauseRef, n.CNIBin, n.CNIConf)
+	cfgPath := filepath.Join(dir, "config.toml")
+	if err := os.WriteFile(cfgPath, []byte(config), 0o644); err != nil {
+		return err
+	}
+	ctrd, err := startProcess(n.cfg.Root, "containerd", mustLook("containerd"), []string{"--config", cfgPath}, nil)
+	if err != nil {
+		return err
+	}
+	n.procs = append(n.procs, ctrd)
+	return poll(30*time.Second, "containerd socket", func() (bool, error) {
+		if err := ctrd.running(); err != nil {
+			return false, err
+		}
+		c, err := net.Dial("unix", n.Containerd)
+		if err != nil {
+			return false, err
+		}
+		c.Close()
+		return true, nil
+	})
+}
+
+func mustLook(bin string) string {
+	p, err := exec.LookPath(bin)
+	if err != nil {
+		return bin
+	}
+	return p
+}
+
+func (n *Node) importImages(ctx context.Context) error {
+	out := filepath.Join(n.cfg.Root, "images")
+	if err := os.MkdirAll(out, 0o755); err != nil {
+		return err
+	}
+	imgs := append([]images.Image{
+		{Ref: images.PauseRef, Package: "./e2e/images/pause", Dir: n.cfg.RepoDir},
+		{Ref: images.TestAppRef, Package: "./e2e/images/testapp", Dir: n.cfg.RepoDir},
+	}, n.cfg.ExtraImages...)
+	for _, img := range imgs {
+		tarPath, err := images.Build(ctx, img, out)
+		if err != nil {
+			return err
+		}
+		if err := n.Ctr(ctx, "images", "import", tarPath); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Ctr runs ctr against the node's containerd in the k8s.io namespace.
+func (n *Node) Ctr(ctx context.Context, args ...string) error {
+	cmd := exec.CommandContext(ctx, "ctr", append([]string{"--address", n.Containerd, "-n", "k8s.io"}, args...)...)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("ctr %s: %v: %s", strings.Join(args, " "), err, out)
+	}
+	return nil
+}
+
+func (n *Node) startKubelet(port, healthzPort int) error {
+	if err := os.MkdirAll(n.KubeletDir, 0o750); err != nil {
+		return err
+	}
+	config := fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+cgroupDriver: cgroupfs
+failSwapOn: false
+failCgroupV1: false
+oomScoreAdj: 0
+containerRuntimeEndpoint: unix://%s
+address: %s
+port: %d
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: %d
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: %q}
+authorization: {mode: Webhook}
+evictionHard: {memory.available: "1Mi", nodefs.available: "1%%", nodefs.inodesFree: "1%%", imagefs.available: "1%%"}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+resolvConf: /etc/resolv.conf
+nodeStatusUpdateFrequency: 10s
+serializeImagePulls: false
+`, n.Containerd, n.cfg.NodeIP, port, healthzPort, n.pki.path("ca.crt"))
+	cfgPath := filepath.Join(n.cfg.Root, "kubelet-config.yaml")
+	if err := os.WriteFile(cfgPath, []byte(config), 0o644); err != nil {
+		return err
+	}
+	kubelet, err := startProcess(n.cfg.Root, "kubelet", filepath.Join(n.cfg.BinDir, "kubelet"), []string{
+		"--config", cfgPath,
+		"--kubeconfig", filepath.Join(n.cfg.Root, "kubelet.kubeconfig"),
+		"--root-dir", n.KubeletDir,
+		"--cert-dir", filepath.Join(n.KubeletDir, "pki"),
+		"--hostname-override", n.Name,
+		"--node-ip", n.cfg.NodeIP,
+		"--v", "2",
+	}, nil)
+	if err != nil {
+		return err
+	}
+	n.procs = append(n.procs, kubelet)
+	return nil
+}
+
+// DevicePluginDir is where the kubelet expects device plugin sockets.
+func (n *Node) DevicePluginDir() string { return filepath.Join(n.KubeletDir, "device-plugins") }
+
+// Stop deletes every pod (so the runtime tears down their sandboxes and
+// the CNI releases their addresses), stops all processes, and removes every
+// mount, netns, bridge and file the node created.
+func (n *Node) Stop() error {
+	if n.Client != nil && n.procs != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		n.deleteAllPods(ctx)
+		cancel()
+	}
+	for i := len(n.procs) - 1; i >= 0; i-- {
+		n.procs[i].stop(15 * time.Second)
+	}
+	n.procs = nil
+	killShims(n.cfg.Root)
+	var errs []string
+	if err := unmountUnder(n.cfg.Root); err != nil {
+		errs = append(errs, err.Error())
+	}
+	for ns := range listNetns() {
+		if !n.netnsBefore[ns] && strings.HasPrefix(ns, "cni-") {
+			exec.Command("ip", "netns", "del", ns).Run()
+		}
+	}
+	removeNodeNetworking(n.cfg.Root)
+	if err := os.RemoveAll(n.cfg.Root); err != nil {
+		errs = append(errs, err.Error())
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("cluster: teardown: %s", strings.Join(errs, "; "))
+	}
+	return nil
+}
+
+func (n *Node) deleteAllPods(ctx context.Context) {
+	nss, err := n.Client.CoreV1().Namespaces().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return
+	}
+	zero := int64(0)
+	for _, ns := range nss.Items {
+		n.Client.CoreV1().Pods(ns.Name).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: &zero}, metav1.ListOptions{})
+	}
+	poll(60*time.Second, "pods gone", func() (bool, error) {
+		pods, err := n.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
+		return err == nil && len(pods.Items) == 0, err
+	})
+}
+
+// killShims stops containerd shims of this node: they run detached from
+// containerd, and would otherwise keep its state dir busy.
+func killShims(root string) {
+	procs, _ := os.ReadDir("/proc")
+	for _, p := range procs {
+		pid, err := strconv.Atoi(p.Name())
+		if err != nil {
+			continue
+		}
+		cmdline, err := os.ReadFile(filepath.Join("/proc", p.Name(), "cmdline"))
+		if err != nil {
+			continue
+		}
+		if strings.Contains(string(cmdline), "containerd-shim") && strings.Contains(string(cmdline), root) {
+			syscall.Kill(pid, syscall.SIGKILL)
+			waitGone(pid, 5*time.Second)
+		}
+	}
+}
+
+// removeNodeNetworking deletes the node's bridge; its leases and config
+// live under root and go with it.
+func removeNodeNetworking(string) {
+	exec.Command("ip", "link", "del", BridgeName).Run()
+}
+
+func listNetns() map[string]bool {
+	out := map[string]bool{}
+	entries, _ := os.ReadDir("/var/run/netns")
+	for _, e := range entries {
+		out[e.Name()] = true
+	}
+	return out
+}
