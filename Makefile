@@ -9,7 +9,8 @@ export PATH := $(BIN):$(PATH)
 # The protoc release whose output is committed in zds/zdspb (Debian 12's).
 PROTOC_VERSION := 3.21.12
 
-.PHONY: all deps build generate check-generated lint test test-unit bench k8s-bins clean
+.PHONY: all deps build generate check-generated lint test test-unit test-integration test-e2e \
+	bench k8s-bins cluster-up cluster-down clean
 
 all: build
 
@@ -37,11 +38,23 @@ lint: deps
 	staticcheck ./...
 
 # Every tier. The unit tier needs root: it creates network namespaces and
-# real netfilter rules (each test cleans up after itself).
-test: deps lint check-generated test-unit
+# real netfilter rules (each test cleans up after itself). Integration tests
+# (TestIntegration*, build tag integration) run against a real etcd and
+# kube-apiserver; end-to-end tests (TestE2E*, tag e2e) against a real
+# single node. Both get their binaries from k8s-bins (cold: ~17 min).
+test: deps lint check-generated test-unit test-integration test-e2e
 
-test-unit:
+test-unit: deps
 	$(GO) test -race -count=1 ./...
+
+# Binaries for the Kubernetes tiers, built once and cached by version.
+K8S_ENV = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh) INPOD_CNI_BIN_DIR=$$(hack/cni-bins.sh)
+
+test-integration: deps
+	$(K8S_ENV) $(GO) test -race -count=1 -tags integration -run '^TestIntegration' ./...
+
+test-e2e: deps
+	$(K8S_ENV) $(GO) test -count=1 -timeout 30m -tags e2e -run '^TestE2E' ./...
 
 # Benchmarks print medians, p99s and ratios against baselines measured in
 # the same run.
@@ -53,6 +66,16 @@ bench: deps
 # repo (INPOD_CACHE_DIR, default /var/cache/inpod): ~17 min cold, seconds warm.
 k8s-bins:
 	@hack/k8s-bins.sh
+	@hack/cni-bins.sh
+
+# A real single-node Kubernetes for a person: prints the kubeconfig path.
+cluster-up: deps
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
+	$(K8S_ENV) $(BIN)/localnode up --repo $(CURDIR)
+
+cluster-down:
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
+	$(BIN)/localnode down
 
 clean:
 	rm -rf $(BIN)

@@ -15,6 +15,8 @@ declare -A pkgs=(
   [ipset]=ipset
   [conntrack]=conntrack
   [protoc]=protobuf-compiler
+  [containerd]=containerd
+  [runc]=runc
 )
 missing=()
 for cmd in "${!pkgs[@]}"; do

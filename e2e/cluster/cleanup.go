@@ -22,6 +22,7 @@ func clearLeftovers(root string) error {
 	if err := killRecorded(filepath.Join(root, "pids")); err != nil {
 		return fmt.Errorf("cluster: stop leftover processes: %w", err)
 	}
+	killShims(root)
 	if err := unmountUnder(root); err != nil {
 		return err
 	}
@@ -89,3 +90,8 @@ func unescapeMount(s string) string {
 }
 
 func splitLines(s string) []string { return strings.Split(strings.TrimRight(s, "\n"), "\n") }
+
+// Cleanup removes everything a node under root left behind: processes,
+// mounts, bridge, state. It is what `make cluster-down` runs, and safe to run
+// when nothing is there.
+func Cleanup(root string) error { return clearLeftovers(root) }

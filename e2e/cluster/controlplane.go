@@ -282,3 +282,14 @@ func primaryIP() (string, error) {
 	}
 	return "", errors.New("cluster: no IPv4 address on the default-route interface; set Config.NodeIP")
 }
+
+// PID is the pid of a running component (etcd, kube-apiserver, kubelet, …),
+// or 0.
+func (cp *ControlPlane) PID(name string) int {
+	for _, p := range cp.procs {
+		if p.name == name {
+			return p.cmd.Process.Pid
+		}
+	}
+	return 0
+}

@@ -4,9 +4,12 @@ package cluster_test
 
 import (
 	"context"
+	"os"
+	"strings"
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
@@ -14,7 +17,7 @@ import (
 	"github.com/inpod-dev/inpod/e2e/cluster"
 )
 
-func TestControlPlaneServesPods(t *testing.T) {
+func TestIntegrationControlPlaneServesPods(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	start := time.Now()
@@ -50,5 +53,41 @@ func TestControlPlaneServesPods(t *testing.T) {
 		}
 	case <-ctx.Done():
 		t.Fatal("no watch event for the created pod")
+	}
+}
+
+// A run killed midway leaves processes, mounts and state; the next start
+// must clear them rather than fail.
+func TestIntegrationStartClearsLeftoversOfAKilledRun(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	root := t.TempDir() + "/cp"
+	first, err := cluster.StartControlPlane(ctx, cluster.Config{Root: root})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// "Kill" the first run: never Stop it, and leave a mount in its state.
+	stale := root + "/kubelet/pods/x/volumes/tmp"
+	if err := os.MkdirAll(stale, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("tmpfs", stale, "tmpfs", 0, ""); err != nil {
+		t.Fatal(err)
+	}
+	etcdPID := first.PID("etcd")
+
+	second, err := cluster.StartControlPlane(ctx, cluster.Config{Root: root})
+	if err != nil {
+		t.Fatalf("start over leftovers: %v", err)
+	}
+	t.Cleanup(func() { second.Stop() })
+	if err := unix.Kill(etcdPID, 0); err == nil {
+		t.Errorf("the killed run's etcd (pid %d) still runs", etcdPID)
+	}
+	if mounts, _ := os.ReadFile("/proc/self/mountinfo"); strings.Contains(string(mounts), stale) {
+		t.Error("the killed run's mount is still there")
+	}
+	if _, err := second.Client.CoreV1().Namespaces().List(ctx, metav1.ListOptions{}); err != nil {
+		t.Fatal(err)
 	}
 }

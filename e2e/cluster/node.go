@@ -170,7 +170,7 @@ func (n *Node) start(ctx context.Context) error {
 		}
 		for _, c := range node.Status.Conditions {
 			if c.Type == corev1.NodeReady {
-				return c.Status == corev1.ConditionTrue, fmt.Errorf("Ready=%s: %s", c.Status, c.Message)
+				return c.Status == corev1.ConditionTrue, fmt.Errorf("node condition Ready=%s: %s", c.Status, c.Message)
 			}
 		}
 		return false, nil

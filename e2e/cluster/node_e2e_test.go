@@ -19,7 +19,7 @@ import (
 	"github.com/inpod-dev/inpod/e2e/images"
 )
 
-func TestNodeRunsAPodAndTearsDownClean(t *testing.T) {
+func TestE2ENodeRunsAPodAndTearsDownClean(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	root := "/var/lib/inpod-e2e-test"
