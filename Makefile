@@ -42,7 +42,7 @@ lint: deps
 # (TestIntegration*, build tag integration) run against a real etcd and
 # kube-apiserver; end-to-end tests (TestE2E*, tag e2e) against a real
 # single node. Both get their binaries from k8s-bins (cold: ~17 min).
-test: deps lint check-generated test-unit test-integration test-e2e
+test: deps lint check-generated test-integration test-e2e test-unit
 
 test-unit: deps
 	$(GO) test -race -count=1 ./...
@@ -50,11 +50,13 @@ test-unit: deps
 # Binaries for the Kubernetes tiers, built once and cached by version.
 K8S_ENV = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh) INPOD_CNI_BIN_DIR=$$(hack/cni-bins.sh)
 
+tagged_pkgs = $(shell grep -rl --include='*_test.go' '^//go:build $(1)' . | xargs -r -n1 dirname | sort -u)
+
 test-integration: deps
-	$(K8S_ENV) $(GO) test -race -count=1 -tags integration -run '^TestIntegration' ./...
+	$(K8S_ENV) $(GO) test -race -count=1 -tags integration -run '^TestIntegration' $(call tagged_pkgs,integration)
 
 test-e2e: deps
-	$(K8S_ENV) $(GO) test -count=1 -timeout 30m -tags e2e -run '^TestE2E' ./...
+	$(K8S_ENV) $(GO) test -count=1 -timeout 30m -tags e2e -run '^TestE2E' $(call tagged_pkgs,e2e)
 
 # Benchmarks print medians, p99s and ratios against baselines measured in
 # the same run.
