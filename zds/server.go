@@ -16,17 +16,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"log/slog"
 	"net"
 	"os"
-	"path/filepath"
 	"sync"
 	"syscall"
 	"time"
 
-	"golang.org/x/sys/unix"
-
+	"github.com/inpod-dev/inpod/internal/unixsock"
 	"github.com/inpod-dev/inpod/zds/zdspb"
 )
 
@@ -124,9 +121,6 @@ func NewServer(cfg Config) (*Server, error) {
 	if cfg.AckTimeout <= 0 {
 		cfg.AckTimeout = defaultAckTimeout
 	}
-	if len(cfg.AllowedPeerUIDs) == 0 {
-		cfg.AllowedPeerUIDs = []uint32{0}
-	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.Default()
@@ -142,51 +136,14 @@ func NewServer(cfg Config) (*Server, error) {
 // from a dead agent removed, the socket itself 0600. It refuses to take over
 // a socket another live process is serving.
 func (s *Server) Listen() error {
-	path := s.cfg.SocketPath
-	dir := filepath.Dir(path)
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("zds: create socket dir: %w", err)
-	}
-	if err := os.Chmod(dir, 0o700); err != nil {
-		return fmt.Errorf("zds: restrict socket dir: %w", err)
-	}
-	if err := removeStaleSocket(path); err != nil {
-		return err
-	}
-	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	ln, err := unixsock.Listen("unixpacket", s.cfg.SocketPath)
 	if err != nil {
-		return fmt.Errorf("zds: listen on %s: %w", path, err)
-	}
-	if err := os.Chmod(path, 0o600); err != nil {
-		ln.Close()
-		return fmt.Errorf("zds: restrict socket: %w", err)
+		return fmt.Errorf("zds: %w", err)
 	}
 	s.mu.Lock()
 	s.listener = ln
 	s.mu.Unlock()
-	s.log.Info("listening for ztunnel", "socket", path)
-	return nil
-}
-
-func removeStaleSocket(path string) error {
-	fi, err := os.Lstat(path)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil
-	}
-	if err != nil {
-		return fmt.Errorf("zds: inspect %s: %w", path, err)
-	}
-	if fi.Mode().Type() != fs.ModeSocket {
-		return fmt.Errorf("zds: %s exists and is not a socket; refusing to replace it", path)
-	}
-	c, err := net.DialTimeout("unixpacket", path, time.Second)
-	if err == nil {
-		c.Close()
-		return fmt.Errorf("zds: another process is already serving %s", path)
-	}
-	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("zds: remove stale socket: %w", err)
-	}
+	s.log.Info("listening for ztunnel", "socket", s.cfg.SocketPath)
 	return nil
 }
 
@@ -390,17 +347,12 @@ func addRequest(w Workload) ([]byte, error) {
 
 func (s *Server) handle(ctx context.Context, uc *net.UnixConn) {
 	defer uc.Close()
-	log := s.log
-	cred, err := peerCred(uc)
+	cred, err := unixsock.CheckPeer(uc, s.cfg.AllowedPeerUIDs)
 	if err != nil {
-		log.Error("rejecting connection: cannot read peer credentials", "err", err)
+		s.log.Warn("rejecting connection", "err", err)
 		return
 	}
-	log = log.With("peerPID", cred.Pid)
-	if !s.peerAllowed(cred.Uid) {
-		log.Warn("rejecting connection from a non-root peer", "peerUID", cred.Uid)
-		return
-	}
+	log := s.log.With("peerPID", cred.Pid)
 	if err := s.readHello(uc); err != nil {
 		log.Error("rejecting connection", "err", err)
 		return
@@ -434,15 +386,6 @@ func (s *Server) handle(ctx context.Context, uc *net.UnixConn) {
 	c.log.Info("ztunnel disconnected", "reason", c.closeReason())
 }
 
-func (s *Server) peerAllowed(uid uint32) bool {
-	for _, u := range s.cfg.AllowedPeerUIDs {
-		if u == uid {
-			return true
-		}
-	}
-	return false
-}
-
 func (s *Server) readHello(uc *net.UnixConn) error {
 	if err := uc.SetReadDeadline(time.Now().Add(s.cfg.HelloTimeout)); err != nil {
 		return err
@@ -462,21 +405,6 @@ func (s *Server) readHello(uc *net.UnixConn) error {
 		return err
 	}
 	return uc.SetReadDeadline(time.Time{})
-}
-
-func peerCred(uc *net.UnixConn) (*unix.Ucred, error) {
-	rc, err := uc.SyscallConn()
-	if err != nil {
-		return nil, err
-	}
-	var cred *unix.Ucred
-	var credErr error
-	if err := rc.Control(func(fd uintptr) {
-		cred, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	}); err != nil {
-		return nil, err
-	}
-	return cred, credErr
 }
 
 // isPeerGone reports errors that mean the other end has gone away.

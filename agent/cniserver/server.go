@@ -1,0 +1,296 @@
+// Package cniserver is the agent's end of the inpod-cni plugin's socket: it
+// accepts only root peers, bounds and validates every request, hands valid
+// ones to the enrollment pipeline (a Handler) and answers with its verdict.
+// Nothing in a request is trusted: it names a pod and a netns path, and the
+// pipeline checks both against its own view.
+package cniserver
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/netip"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/internal/unixsock"
+)
+
+// Handler is the enrollment pipeline behind the socket.
+type Handler interface {
+	// Add redirects an enrolled pod, or reports it not enrolled.
+	Add(ctx context.Context, req *cnievent.Request) (cnievent.Outcome, error)
+	// Del forgets a pod's attachment.
+	Del(ctx context.Context, req *cnievent.Request) (cnievent.Outcome, error)
+	// Check verifies an enrolled pod's redirection.
+	Check(ctx context.Context, req *cnievent.Request) (cnievent.Outcome, error)
+}
+
+// Config configures the server; zero values take defaults.
+type Config struct {
+	SocketPath string
+	Handler    Handler
+	// ReadTimeout bounds receiving a request (a slow or stuck peer).
+	ReadTimeout time.Duration
+	// RequestTimeout bounds the pipeline's work on one request; keep it
+	// below the plugin's own timeout so the plugin gets a real answer.
+	RequestTimeout time.Duration
+	// NetnsPrefixes are where a pod netns path may point (default: the
+	// runtimes' /var/run/netns/ and /run/netns/, and /proc/<pid>/ns/net).
+	NetnsPrefixes []string
+	// MaxConcurrent bounds requests in progress.
+	MaxConcurrent int
+	// AllowedPeerUIDs: root only when empty.
+	AllowedPeerUIDs []uint32
+	Logger          *slog.Logger
+}
+
+// Server serves the plugin's socket.
+type Server struct {
+	cfg   Config
+	log   *slog.Logger
+	slots chan struct{}
+
+	mu sync.Mutex
+	ln *net.UnixListener
+}
+
+// New validates cfg and fills in defaults.
+func New(cfg Config) (*Server, error) {
+	if cfg.Handler == nil {
+		return nil, errors.New("cniserver: Config.Handler is required")
+	}
+	if cfg.SocketPath == "" {
+		cfg.SocketPath = cnievent.DefaultSocketPath
+	}
+	if cfg.ReadTimeout <= 0 {
+		cfg.ReadTimeout = 5 * time.Second
+	}
+	if cfg.RequestTimeout <= 0 {
+		cfg.RequestTimeout = cnievent.Deadline - 5*time.Second
+	}
+	if len(cfg.NetnsPrefixes) == 0 {
+		cfg.NetnsPrefixes = []string{"/var/run/netns/", "/run/netns/", "/proc/"}
+	}
+	if cfg.MaxConcurrent <= 0 {
+		cfg.MaxConcurrent = 64
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Server{cfg: cfg, log: log.With("component", "cniserver"), slots: make(chan struct{}, cfg.MaxConcurrent)}, nil
+}
+
+// Listen creates the root-only socket.
+func (s *Server) Listen() error {
+	ln, err := unixsock.Listen("unix", s.cfg.SocketPath)
+	if err != nil {
+		return fmt.Errorf("cniserver: %w", err)
+	}
+	s.mu.Lock()
+	s.ln = ln
+	s.mu.Unlock()
+	s.log.Info("listening for CNI events", "socket", s.cfg.SocketPath)
+	return nil
+}
+
+// Serve answers requests until ctx ends, then waits for those in progress.
+func (s *Server) Serve(ctx context.Context) error {
+	s.mu.Lock()
+	ln := s.ln
+	s.mu.Unlock()
+	if ln == nil {
+		if err := s.Listen(); err != nil {
+			return err
+		}
+		ln = s.ln
+	}
+	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	defer stop()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for {
+		uc, err := ln.AcceptUnix()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			if errors.Is(err, net.ErrClosed) {
+				return fmt.Errorf("cniserver: listener closed: %w", err)
+			}
+			s.log.Error("accept failed", "err", err)
+			time.Sleep(10 * time.Millisecond)
+			continue
+		}
+		wg.Go(func() { s.serveConn(ctx, uc) })
+	}
+}
+
+func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
+	defer uc.Close()
+	if _, err := unixsock.CheckPeer(uc, s.cfg.AllowedPeerUIDs); err != nil {
+		s.log.Warn("refusing CNI event connection", "err", err)
+		return
+	}
+	uc.SetDeadline(time.Now().Add(s.cfg.ReadTimeout))
+	req, err := readRequest(uc)
+	if err == nil {
+		err = s.Validate(req)
+	}
+	if err != nil {
+		s.log.Warn("refusing a bad CNI event", "err", err)
+		// Unread input would turn the close into a reset that destroys
+		// the answer; swallow a bounded amount first.
+		io.Copy(io.Discard, io.LimitReader(uc, 1<<20))
+		s.reply(uc, cnievent.Failed, "invalid request: "+err.Error())
+		return
+	}
+	log := s.log.With("pod", req.Pod(), "command", req.Command, "container", shortID(req.ContainerID))
+
+	select {
+	case s.slots <- struct{}{}:
+		defer func() { <-s.slots }()
+	default:
+		log.Warn("too many CNI events in progress; refusing one")
+		s.reply(uc, cnievent.Failed, fmt.Sprintf("agent busy: %d CNI events already in progress", s.cfg.MaxConcurrent))
+		return
+	}
+	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	start := time.Now()
+	outcome, err := s.dispatch(rctx, req)
+	if err != nil {
+		log.Error("CNI event failed", "err", err, "took", time.Since(start))
+		s.reply(uc, cnievent.Failed, err.Error())
+		return
+	}
+	log.Debug("CNI event handled", "outcome", outcome, "took", time.Since(start))
+	s.reply(uc, outcome, "")
+}
+
+func (s *Server) dispatch(ctx context.Context, req *cnievent.Request) (cnievent.Outcome, error) {
+	switch req.Command {
+	case cnievent.Add:
+		return s.cfg.Handler.Add(ctx, req)
+	case cnievent.Del:
+		return s.cfg.Handler.Del(ctx, req)
+	default:
+		return s.cfg.Handler.Check(ctx, req)
+	}
+}
+
+func (s *Server) reply(uc *net.UnixConn, outcome cnievent.Outcome, msg string) {
+	// The read deadline may have passed (a slow peer); the answer still
+	// gets its own short window.
+	uc.SetWriteDeadline(time.Now().Add(time.Second))
+	b, _ := json.Marshal(cnievent.Response{Outcome: outcome, Message: msg})
+	if _, err := uc.Write(b); err != nil {
+		s.log.Warn("could not answer the plugin", "err", err)
+	}
+}
+
+// readRequest reads one request up to EOF, bounded in size, and validates
+// every field.
+func readRequest(r io.Reader) (*cnievent.Request, error) {
+	data, err := io.ReadAll(io.LimitReader(r, cnievent.MaxMessageSize+1))
+	if err != nil {
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			return nil, errors.New("request not received in time")
+		}
+		return nil, fmt.Errorf("read request: %w", err)
+	}
+	if len(data) > cnievent.MaxMessageSize {
+		return nil, fmt.Errorf("request over the %d-byte limit", cnievent.MaxMessageSize)
+	}
+	var req cnievent.Request
+	if err := json.Unmarshal(data, &req); err != nil {
+		return nil, fmt.Errorf("undecodable request: %v", err)
+	}
+	return &req, nil
+}
+
+var (
+	dnsLabel     = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`)
+	dnsSubdomain = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`)
+	uidPattern   = regexp.MustCompile(`^[A-Za-z0-9-]{1,128}$`)
+	idPattern    = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,256}$`)
+	ifnamePat    = regexp.MustCompile(`^[^/\s:]{1,15}$`)
+	procNetns    = regexp.MustCompile(`^/proc/[0-9]+/(task/[0-9]+/)?ns/net$`)
+)
+
+// Validate checks a request against what Kubernetes and the runtimes can
+// produce; it is exported for the pipeline's own defensive use.
+func (s *Server) Validate(req *cnievent.Request) error {
+	switch req.Command {
+	case cnievent.Add, cnievent.Del, cnievent.Check:
+	default:
+		return fmt.Errorf("unknown command %q", req.Command)
+	}
+	if len(req.PodNamespace) > 63 || !dnsLabel.MatchString(req.PodNamespace) {
+		return fmt.Errorf("invalid pod namespace %q", req.PodNamespace)
+	}
+	if len(req.PodName) > 253 || !dnsSubdomain.MatchString(req.PodName) {
+		return fmt.Errorf("invalid pod name %q", req.PodName)
+	}
+	if req.PodUID != "" && !uidPattern.MatchString(req.PodUID) {
+		return fmt.Errorf("invalid pod uid %q", req.PodUID)
+	}
+	if !idPattern.MatchString(req.ContainerID) {
+		return fmt.Errorf("invalid container id %q", req.ContainerID)
+	}
+	if req.IfName != "" && !ifnamePat.MatchString(req.IfName) {
+		return fmt.Errorf("invalid interface name %q", req.IfName)
+	}
+	if req.Command != cnievent.Del || req.Netns != "" {
+		if err := s.validNetns(req.Netns); err != nil {
+			return err
+		}
+	}
+	if len(req.IPs) > 16 {
+		return fmt.Errorf("%d IPs, at most 16", len(req.IPs))
+	}
+	for _, ip := range req.IPs {
+		if _, err := netip.ParseAddr(ip); err != nil {
+			return fmt.Errorf("invalid IP %q", ip)
+		}
+	}
+	return nil
+}
+
+func (s *Server) validNetns(p string) error {
+	if p == "" {
+		return errors.New("missing netns path")
+	}
+	if !filepath.IsAbs(p) || filepath.Clean(p) != p {
+		return fmt.Errorf("netns path %q is not a clean absolute path", p)
+	}
+	for _, prefix := range s.cfg.NetnsPrefixes {
+		if prefix == "/proc/" {
+			if procNetns.MatchString(p) {
+				return nil
+			}
+			continue
+		}
+		if strings.HasPrefix(p, prefix) && !strings.Contains(p[len(prefix):], "/") {
+			return nil
+		}
+	}
+	return fmt.Errorf("netns path %q is outside the allowed locations %v", p, s.cfg.NetnsPrefixes)
+}
+
+func shortID(id string) string {
+	if len(id) > 12 {
+		return id[:12]
+	}
+	return id
+}

@@ -1,0 +1,95 @@
+// Package unixsock opens the agent's root-only unix sockets the same way
+// everywhere: a 0700 directory, a 0600 socket, a stale socket from a dead
+// process removed, a socket another live process serves never taken over,
+// and peers identified by SO_PEERCRED.
+package unixsock
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Listen listens on path with network "unix" or "unixpacket".
+func Listen(network, path string) (*net.UnixListener, error) {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("create socket dir: %w", err)
+	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("restrict socket dir: %w", err)
+	}
+	if err := removeStale(network, path); err != nil {
+		return nil, err
+	}
+	ln, err := net.ListenUnix(network, &net.UnixAddr{Name: path, Net: network})
+	if err != nil {
+		return nil, fmt.Errorf("listen on %s: %w", path, err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("restrict socket: %w", err)
+	}
+	return ln, nil
+}
+
+func removeStale(network, path string) error {
+	fi, err := os.Lstat(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("inspect %s: %w", path, err)
+	}
+	if fi.Mode().Type() != fs.ModeSocket {
+		return fmt.Errorf("%s exists and is not a socket; refusing to replace it", path)
+	}
+	c, err := net.DialTimeout(network, path, time.Second)
+	if err == nil {
+		c.Close()
+		return fmt.Errorf("another process is already serving %s", path)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("remove stale socket: %w", err)
+	}
+	return nil
+}
+
+// PeerCred returns the credentials of the process at the other end.
+func PeerCred(uc *net.UnixConn) (*unix.Ucred, error) {
+	rc, err := uc.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var cred *unix.Ucred
+	var credErr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return nil, err
+	}
+	return cred, credErr
+}
+
+// CheckPeer refuses a peer whose uid is not allowed (root only when
+// allowed is empty).
+func CheckPeer(uc *net.UnixConn, allowed []uint32) (*unix.Ucred, error) {
+	cred, err := PeerCred(uc)
+	if err != nil {
+		return nil, fmt.Errorf("cannot read peer credentials: %w", err)
+	}
+	if len(allowed) == 0 {
+		allowed = []uint32{0}
+	}
+	if !slices.Contains(allowed, cred.Uid) {
+		return cred, fmt.Errorf("peer pid %d runs as uid %d, not an allowed uid %v", cred.Pid, cred.Uid, allowed)
+	}
+	return cred, nil
+}
