@@ -17,8 +17,9 @@ all: build
 deps:
 	@hack/install-deps.sh
 
+# Stripped: inpod-cni is copied to every node and exec'ed once per pod.
 build:
-	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/ ./cmd/...
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/ ./cmd/...
 
 generate: deps
 	@protoc --version | grep -q ' $(PROTOC_VERSION)$$' || \
@@ -45,7 +46,7 @@ lint: deps
 test: deps lint check-generated test-integration test-e2e test-unit
 
 test-unit: deps
-	$(GO) test -race -count=1 ./...
+	INPOD_CNI_BIN_DIR=$$(hack/cni-bins.sh) $(GO) test -race -count=1 ./...
 
 # Binaries for the Kubernetes tiers, built once and cached by version.
 K8S_ENV = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh) INPOD_CNI_BIN_DIR=$$(hack/cni-bins.sh)

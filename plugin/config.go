@@ -36,6 +36,8 @@ type Config struct {
 	PrevResult    json.RawMessage `json:"prevResult,omitempty"`
 
 	ValidAttachments []types.GCAttachment `json:"cni.dev/valid-attachments,omitempty"`
+	// Attachments is what libcni passes on GC (spec 1.1.0).
+	Attachments json.RawMessage `json:"cni.dev/attachments,omitempty"`
 
 	// AgentSocket is the agent's event socket.
 	AgentSocket string `json:"agentSocket,omitempty"`

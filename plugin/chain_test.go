@@ -1,0 +1,392 @@
+package plugin_test
+
+import (
+	"context"
+	"encoding/json"
+	"encoding/pem"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/containernetworking/cni/libcni"
+	types100 "github.com/containernetworking/cni/pkg/types/100"
+
+	"github.com/inpod-dev/inpod/agent/cniserver"
+	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/netns"
+	"github.com/inpod-dev/inpod/netns/netnstest"
+	"github.com/inpod-dev/inpod/plugin"
+)
+
+// The chain under test: the reference bridge + host-local plugins, then
+// inpod-cni, run by libcni exactly as a runtime would, inside a scratch
+// "node" netns so the bridge never lands in the host's.
+
+var buildOnce struct {
+	sync.Once
+	dir string
+	err error
+}
+
+// pluginDir holds the reference plugins and a freshly built inpod-cni.
+func pluginDir(t *testing.T) string {
+	t.Helper()
+	ref := os.Getenv("INPOD_CNI_BIN_DIR")
+	if ref == "" {
+		t.Fatal("INPOD_CNI_BIN_DIR is not set: run `make test-unit`, or export INPOD_CNI_BIN_DIR=$(hack/cni-bins.sh)")
+	}
+	buildOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "inpod-cni-bin")
+		if err != nil {
+			buildOnce.err = err
+			return
+		}
+		buildOnce.dir = dir
+		for _, p := range []string{"bridge", "host-local", "loopback"} {
+			data, err := os.ReadFile(filepath.Join(ref, p))
+			if err == nil {
+				err = os.WriteFile(filepath.Join(dir, p), data, 0o755)
+			}
+			if err != nil {
+				buildOnce.err = err
+				return
+			}
+		}
+		out, err := exec.Command("go", "build", "-o", filepath.Join(dir, plugin.PluginType), "../cmd/inpod-cni").CombinedOutput()
+		if err != nil {
+			buildOnce.err = fmt.Errorf("build inpod-cni: %v: %s", err, out)
+		}
+	})
+	if buildOnce.err != nil {
+		t.Fatal(buildOnce.err)
+	}
+	return buildOnce.dir
+}
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if buildOnce.dir != "" {
+		os.RemoveAll(buildOnce.dir)
+	}
+	os.Exit(code)
+}
+
+// agent is a real cniserver whose pipeline the test scripts.
+type agent struct {
+	mu      sync.Mutex
+	seen    []cnievent.Request
+	verdict func(*cnievent.Request) (cnievent.Outcome, error)
+}
+
+func (a *agent) handle(req *cnievent.Request) (cnievent.Outcome, error) {
+	a.mu.Lock()
+	a.seen = append(a.seen, *req)
+	v := a.verdict
+	a.mu.Unlock()
+	return v(req)
+}
+func (a *agent) Add(_ context.Context, r *cnievent.Request) (cnievent.Outcome, error) {
+	return a.handle(r)
+}
+func (a *agent) Del(_ context.Context, r *cnievent.Request) (cnievent.Outcome, error) {
+	return a.handle(r)
+}
+func (a *agent) Check(_ context.Context, r *cnievent.Request) (cnievent.Outcome, error) {
+	return a.handle(r)
+}
+func (a *agent) requests() []cnievent.Request {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return append([]cnievent.Request(nil), a.seen...)
+}
+
+// enrolledIf answers like the agent: pods whose name starts with "mesh-"
+// are enrolled and get redirected; others are not enrolled.
+func enrolledIf(req *cnievent.Request) (cnievent.Outcome, error) {
+	if strings.HasPrefix(req.PodName, "mesh-") {
+		return cnievent.Redirected, nil
+	}
+	return cnievent.NotEnrolled, nil
+}
+
+func startAgent(t *testing.T, socket string, a *agent) (stop func()) {
+	t.Helper()
+	srv, err := cniserver.New(cniserver.Config{SocketPath: socket, Handler: a})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { srv.Serve(ctx); close(done) }()
+	var once sync.Once
+	stop = func() { once.Do(func() { cancel(); <-done }) }
+	t.Cleanup(stop)
+	return stop
+}
+
+type chain struct {
+	t      *testing.T
+	node   *os.File
+	cni    *libcni.CNIConfig
+	list   *libcni.NetworkConfigList
+	socket string
+}
+
+func newChain(t *testing.T, apiAccess string) *chain {
+	t.Helper()
+	node := netnstest.New(t)
+	dir := t.TempDir()
+	socket := filepath.Join(dir, "run", "cni.sock")
+	inpod := map[string]any{"type": plugin.PluginType, "agentSocket": socket, "excludeNamespaces": []string{"kube-system"}, "timeout": "10s"}
+	if apiAccess != "" {
+		inpod["apiAccess"] = apiAccess
+	}
+	conf, _ := json.Marshal(map[string]any{
+		"cniVersion": "1.1.0", "name": "test",
+		"plugins": []any{
+			map[string]any{"type": "bridge", "bridge": "tbr0", "isGateway": true,
+				"ipam": map[string]any{"type": "host-local", "subnet": "198.51.100.0/24", "dataDir": filepath.Join(dir, "ipam")}},
+			inpod,
+		},
+	})
+	list, err := libcni.ConfListFromBytes(conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &chain{t: t, node: node.Open(t), list: list, socket: socket,
+		cni: libcni.NewCNIConfigWithCacheDir([]string{pluginDir(t)}, filepath.Join(dir, "cache"), nil)}
+}
+
+// setAPIAccess points the plugin's entry at an API access file.
+func (c *chain) setAPIAccess(t *testing.T, path string) {
+	t.Helper()
+	var conf map[string]any
+	if err := json.Unmarshal(c.list.Bytes, &conf); err != nil {
+		t.Fatal(err)
+	}
+	plugins := conf["plugins"].([]any)
+	plugins[len(plugins)-1].(map[string]any)["apiAccess"] = path
+	data, _ := json.Marshal(conf)
+	list, err := libcni.ConfListFromBytes(data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.list = list
+}
+
+func (c *chain) rt(pod *netnstest.NetNS, ns, name string) *libcni.RuntimeConf {
+	return &libcni.RuntimeConf{
+		ContainerID: "c-" + name, NetNS: pod.Path, IfName: "eth0",
+		Args: [][2]string{{"IgnoreUnknown", "1"}, {"K8S_POD_NAMESPACE", ns}, {"K8S_POD_NAME", name}, {"K8S_POD_UID", "uid-" + name}},
+	}
+}
+
+// in runs a libcni call with the node netns as the plugins' host netns.
+func (c *chain) in(fn func() error) error {
+	return netns.Do(c.node, fn)
+}
+
+func (c *chain) add(rt *libcni.RuntimeConf) (*types100.Result, error) {
+	var res *types100.Result
+	err := c.in(func() error {
+		r, err := c.cni.AddNetworkList(context.Background(), c.list, rt)
+		if err != nil {
+			return err
+		}
+		res, err = types100.NewResultFromResult(r)
+		return err
+	})
+	return res, err
+}
+
+func (c *chain) check(rt *libcni.RuntimeConf) error {
+	return c.in(func() error { return c.cni.CheckNetworkList(context.Background(), c.list, rt) })
+}
+
+func (c *chain) del(rt *libcni.RuntimeConf) error {
+	return c.in(func() error { return c.cni.DelNetworkList(context.Background(), c.list, rt) })
+}
+
+func TestChainPassesNonEnrolledAndGatesEnrolledOnTheAgent(t *testing.T) {
+	c := newChain(t, "")
+	a := &agent{verdict: enrolledIf}
+	startAgent(t, c.socket, a)
+
+	plain := netnstest.New(t)
+	rt := c.rt(plain, "default", "plain")
+	res, err := c.add(rt)
+	if err != nil {
+		t.Fatalf("ADD of a non-enrolled pod: %v", err)
+	}
+	if len(res.IPs) != 1 || !strings.HasPrefix(res.IPs[0].Address.IP.String(), "198.51.100.") {
+		t.Fatalf("result lost the bridge's IP: %+v", res)
+	}
+	if err := c.check(rt); err != nil {
+		t.Fatalf("CHECK of a non-enrolled pod: %v", err)
+	}
+	if err := c.del(rt); err != nil {
+		t.Fatalf("DEL of a non-enrolled pod: %v", err)
+	}
+
+	mesh := netnstest.New(t)
+	rt = c.rt(mesh, "default", "mesh-1")
+	res, err = c.add(rt)
+	if err != nil {
+		t.Fatalf("ADD of an enrolled pod the agent redirected: %v", err)
+	}
+	var add *cnievent.Request
+	for _, r := range a.requests() {
+		if r.Command == cnievent.Add && r.PodName == "mesh-1" {
+			add = &r
+		}
+	}
+	if add == nil || add.Netns != mesh.Path || add.PodUID != "uid-mesh-1" || add.ContainerID != "c-mesh-1" ||
+		len(add.IPs) != 1 || add.IPs[0] != res.IPs[0].Address.IP.String() {
+		t.Fatalf("agent got %+v, want the pod's identity, netns and the IP from prevResult %v", add, res.IPs)
+	}
+	if err := c.check(rt); err != nil {
+		t.Fatalf("CHECK: %v", err)
+	}
+
+	// The agent refuses: the ADD fails, naming the pod and the cause.
+	a.mu.Lock()
+	a.verdict = func(*cnievent.Request) (cnievent.Outcome, error) {
+		return cnievent.Failed, fmt.Errorf("ztunnel did not ack within 5s")
+	}
+	a.mu.Unlock()
+	failing := netnstest.New(t)
+	rt2 := c.rt(failing, "default", "mesh-2")
+	_, err = c.add(rt2)
+	if err == nil || !strings.Contains(err.Error(), "default/mesh-2") || !strings.Contains(err.Error(), "did not ack") {
+		t.Fatalf("ADD with a failing agent = %v, want an error naming the pod and the cause", err)
+	}
+	if err := c.del(rt2); err != nil {
+		t.Fatalf("DEL after a failed ADD: %v", err)
+	}
+	if err := c.check(rt); err == nil {
+		t.Fatal("CHECK passed while the agent reports the redirection broken")
+	}
+
+	// Excluded namespaces are never sent to the agent.
+	before := len(a.requests())
+	sys := netnstest.New(t)
+	if _, err := c.add(c.rt(sys, "kube-system", "mesh-dns")); err != nil {
+		t.Fatalf("ADD in an excluded namespace: %v", err)
+	}
+	if len(a.requests()) != before {
+		t.Fatal("the plugin asked the agent about a pod in an excluded namespace")
+	}
+}
+
+// fakeAPI serves pod and namespace labels the way the API server does,
+// listening inside the node netns where the plugin runs.
+func fakeAPI(t *testing.T, node *os.File, podLabels, nsLabels map[string]map[string]string) string {
+	t.Helper()
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Authorization") != "Bearer test-token" {
+			http.Error(w, "unauthorized", http.StatusUnauthorized)
+			return
+		}
+		parts := strings.Split(strings.Trim(r.URL.Path, "/"), "/")
+		var labels map[string]string
+		var ok bool
+		switch {
+		case len(parts) == 6 && parts[4] == "pods":
+			labels, ok = podLabels[parts[3]+"/"+parts[5]]
+		case len(parts) == 4:
+			labels, ok = nsLabels[parts[3]]
+		}
+		if !ok {
+			http.NotFound(w, r)
+			return
+		}
+		json.NewEncoder(w).Encode(map[string]any{"metadata": map[string]any{"labels": labels}})
+	}))
+	srv.Listener.Close()
+	if err := netns.Do(node, func() error {
+		var err error
+		srv.Listener, err = net.Listen("tcp", "127.0.0.1:0")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	srv.StartTLS()
+	t.Cleanup(srv.Close)
+	ca := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw})
+	path := filepath.Join(t.TempDir(), "api-access.json")
+	data, _ := json.Marshal(plugin.APIAccess{Server: srv.URL, CAData: ca, Token: "test-token"})
+	if err := os.WriteFile(path, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+func TestAgentDownFailsEnrolledAndPassesOthers(t *testing.T) {
+	c := newChain(t, "")
+	access := fakeAPI(t, c.node,
+		map[string]map[string]string{
+			"default/mesh-pod":  {plugin.DataplaneModeLabel: plugin.DataplaneAmbient},
+			"default/plain":     {},
+			"ambient/app":       {},
+			"ambient/opted-out": {plugin.DataplaneModeLabel: plugin.DataplaneNone},
+		},
+		map[string]map[string]string{"default": {}, "ambient": {plugin.DataplaneModeLabel: plugin.DataplaneAmbient}},
+	)
+	c.setAPIAccess(t, access)
+	// No agent is listening on c.socket.
+	cases := []struct {
+		ns, name string
+		enrolled bool
+	}{
+		{"default", "mesh-pod", true},
+		{"ambient", "app", true},
+		{"default", "plain", false},
+		{"ambient", "opted-out", false},
+	}
+	for _, tc := range cases {
+		pod := netnstest.New(t)
+		rt := c.rt(pod, tc.ns, tc.name)
+		_, err := c.add(rt)
+		if tc.enrolled {
+			if err == nil || !strings.Contains(err.Error(), tc.ns+"/"+tc.name+" is enrolled in the mesh") || !strings.Contains(err.Error(), "unreachable") {
+				t.Errorf("%s/%s (enrolled) with the agent down: ADD = %v, want a clear failure", tc.ns, tc.name, err)
+			}
+		} else if err != nil {
+			t.Errorf("%s/%s (not enrolled) with the agent down: ADD = %v, want it to pass", tc.ns, tc.name, err)
+		}
+		if err := c.del(rt); err != nil {
+			t.Errorf("DEL with the agent down: %v", err)
+		}
+	}
+}
+
+func TestAgentAndAPIDownFailsClosedWithReason(t *testing.T) {
+	c := newChain(t, "")
+	pod := netnstest.New(t)
+	_, err := c.add(c.rt(pod, "default", "any"))
+	if err == nil || !strings.Contains(err.Error(), "could not be decided") {
+		t.Fatalf("ADD with neither agent nor API access = %v, want a failure that says why", err)
+	}
+	c.del(c.rt(pod, "default", "any"))
+}
+
+func TestStatusAndGCThroughLibcni(t *testing.T) {
+	c := newChain(t, "")
+	ctx := context.Background()
+	if err := c.in(func() error { return c.cni.GetStatusNetworkList(ctx, c.list) }); err != nil {
+		t.Fatalf("STATUS: %v", err)
+	}
+	if err := c.in(func() error { return c.cni.GCNetworkList(ctx, c.list, &libcni.GCArgs{}) }); err != nil {
+		t.Fatalf("GC: %v", err)
+	}
+}
