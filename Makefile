@@ -64,6 +64,7 @@ test-e2e: deps
 bench: deps
 	$(GO) test -run '^$$' -bench . -benchtime 2000x ./zds/
 	$(GO) test -run '^$$' -bench . -benchtime 200x ./agent/redirect/
+	INPOD_CNI_BIN_DIR=$$(hack/cni-bins.sh) $(GO) test -run '^$$' -bench . -benchtime 100x ./plugin/
 
 # Pinned Kubernetes and etcd binaries for the test node, cached outside the
 # repo (INPOD_CACHE_DIR, default /var/cache/inpod): ~17 min cold, seconds warm.

@@ -36,7 +36,7 @@ var buildOnce struct {
 }
 
 // pluginDir holds the reference plugins and a freshly built inpod-cni.
-func pluginDir(t *testing.T) string {
+func pluginDir(t testing.TB) string {
 	t.Helper()
 	ref := os.Getenv("INPOD_CNI_BIN_DIR")
 	if ref == "" {
@@ -116,7 +116,7 @@ func enrolledIf(req *cnievent.Request) (cnievent.Outcome, error) {
 	return cnievent.NotEnrolled, nil
 }
 
-func startAgent(t *testing.T, socket string, a *agent) (stop func()) {
+func startAgent(t testing.TB, socket string, a *agent) (stop func()) {
 	t.Helper()
 	srv, err := cniserver.New(cniserver.Config{SocketPath: socket, Handler: a})
 	if err != nil {

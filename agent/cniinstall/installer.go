@@ -1,0 +1,435 @@
+// Package cniinstall puts inpod-cni on the node and keeps it there: it
+// copies the binary into the CNI bin dir atomically, chains the plugin last
+// into the node's primary network configuration, and watches both so that a
+// CNI that rewrites its file (dropping inpod) is repaired, with the node
+// reported not ready until it is. Uninstall restores what it found.
+package cniinstall
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
+)
+
+// PluginType is the plugin's type in the conflist.
+const PluginType = "inpod-cni"
+
+// Entry is inpod's plugin entry.
+type Entry struct {
+	AgentSocket       string   `json:"agentSocket,omitempty"`
+	ExcludeNamespaces []string `json:"excludeNamespaces,omitempty"`
+	APIAccess         string   `json:"apiAccess,omitempty"`
+	Timeout           string   `json:"timeout,omitempty"`
+}
+
+func (e Entry) marshal() (json.RawMessage, error) {
+	return json.Marshal(struct {
+		Type string `json:"type"`
+		Entry
+	}{PluginType, e})
+}
+
+// Config says where things are. Every path is configurable so tests and
+// unusual nodes work alike.
+type Config struct {
+	// BinarySource is inpod-cni as shipped in the agent's image.
+	BinarySource string
+	BinDir       string // default /opt/cni/bin
+	ConfDir      string // default /etc/cni/net.d
+	// StateDir keeps the originals of files inpod changed, for Uninstall.
+	StateDir string // default /var/lib/inpod/cni
+	Entry    Entry
+	// Resync re-checks even without file events (default 30 s).
+	Resync time.Duration
+	// MaxRepairsPerMinute above which repairs pause and a loud warning is
+	// logged: something keeps rewriting the config (default 5).
+	MaxRepairsPerMinute int
+	// OnChange is told every change of "installed" with the reason.
+	OnChange func(installed bool, reason string)
+	Logger   *slog.Logger
+}
+
+// Installer installs and guards the plugin.
+type Installer struct {
+	cfg   Config
+	log   *slog.Logger
+	entry json.RawMessage
+	want  []byte // the binary's content
+
+	mu        sync.Mutex
+	installed bool
+	reason    string
+	reported  bool
+	repairs   []time.Time
+}
+
+// New reads the binary to install and validates cfg.
+func New(cfg Config) (*Installer, error) {
+	if cfg.BinDir == "" {
+		cfg.BinDir = "/opt/cni/bin"
+	}
+	if cfg.ConfDir == "" {
+		cfg.ConfDir = "/etc/cni/net.d"
+	}
+	if cfg.StateDir == "" {
+		cfg.StateDir = "/var/lib/inpod/cni"
+	}
+	if cfg.Resync <= 0 {
+		cfg.Resync = 30 * time.Second
+	}
+	if cfg.MaxRepairsPerMinute <= 0 {
+		cfg.MaxRepairsPerMinute = 5
+	}
+	want, err := os.ReadFile(cfg.BinarySource)
+	if err != nil {
+		return nil, fmt.Errorf("cniinstall: read the plugin binary to install: %w", err)
+	}
+	entry, err := cfg.Entry.marshal()
+	if err != nil {
+		return nil, err
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Installer{cfg: cfg, log: log.With("component", "cniinstall"), entry: entry, want: want}, nil
+}
+
+// Status says whether the plugin is installed and why not.
+type Status struct {
+	Installed bool
+	// Conflist is the primary configuration file.
+	Conflist string
+	Reason   string
+}
+
+// Check reports, reading only, whether the binary is in place and inpod is
+// the last plugin of the primary configuration.
+func (i *Installer) Check() Status {
+	bin := filepath.Join(i.cfg.BinDir, PluginType)
+	have, err := os.ReadFile(bin)
+	if err != nil {
+		return Status{Reason: fmt.Sprintf("plugin binary %s: %v", bin, err)}
+	}
+	if !bytes.Equal(have, i.want) {
+		return Status{Reason: fmt.Sprintf("plugin binary %s differs from this agent's", bin)}
+	}
+	path, list, err := primaryConfig(i.cfg.ConfDir)
+	if err != nil {
+		return Status{Reason: err.Error()}
+	}
+	if list.fromConf || !list.hasEntryLast(i.entry) {
+		return Status{Conflist: path, Reason: fmt.Sprintf("%s does not end with the inpod-cni entry", path)}
+	}
+	return Status{Installed: true, Conflist: path}
+}
+
+// Install copies the binary and chains the plugin into the primary
+// configuration; when both are already right it writes nothing.
+func (i *Installer) Install() (Status, error) {
+	if err := i.installBinary(); err != nil {
+		return Status{Reason: err.Error()}, err
+	}
+	path, list, err := primaryConfig(i.cfg.ConfDir)
+	if err != nil {
+		return Status{Reason: err.Error()}, err
+	}
+	if !list.fromConf && list.hasEntryLast(i.entry) {
+		return Status{Installed: true, Conflist: path}, nil
+	}
+	if err := i.backup(path); err != nil {
+		return Status{Reason: err.Error()}, err
+	}
+	data, err := list.withEntry(i.entry).marshal()
+	if err != nil {
+		return Status{Reason: err.Error()}, err
+	}
+	target := path
+	if list.fromConf {
+		// A runtime reads a .conf as a single plugin: the chain needs a
+		// .conflist, under the same name so it keeps its place in order.
+		target = strings.TrimSuffix(path, filepath.Ext(path)) + ".conflist"
+	}
+	if err := writeAtomic(target, data, fileMode(path)); err != nil {
+		return Status{Reason: err.Error()}, err
+	}
+	if target != path {
+		if err := os.Remove(path); err != nil {
+			return Status{Reason: err.Error()}, fmt.Errorf("cniinstall: remove converted %s: %w", path, err)
+		}
+	}
+	i.log.Info("chained inpod-cni into the primary CNI configuration", "file", target)
+	return Status{Installed: true, Conflist: target}, nil
+}
+
+func (i *Installer) installBinary() error {
+	dst := filepath.Join(i.cfg.BinDir, PluginType)
+	if have, err := os.ReadFile(dst); err == nil && bytes.Equal(have, i.want) {
+		return nil
+	}
+	if err := os.MkdirAll(i.cfg.BinDir, 0o755); err != nil {
+		return fmt.Errorf("cniinstall: %w", err)
+	}
+	if err := writeAtomic(dst, i.want, 0o755); err != nil {
+		return err
+	}
+	i.log.Info("installed the plugin binary", "path", dst)
+	return nil
+}
+
+// backup keeps the first version of a file inpod changes, for Uninstall.
+func (i *Installer) backup(path string) error {
+	dir := filepath.Join(i.cfg.StateDir, "originals")
+	dst := filepath.Join(dir, filepath.Base(path))
+	if _, err := os.Stat(dst); err == nil {
+		return nil
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("cniinstall: %w", err)
+	}
+	return writeAtomic(dst, data, 0o600)
+}
+
+// Uninstall takes inpod out of every configuration in the conf dir,
+// restoring a file's original bytes when nothing else changed it since,
+// and removes the binary. Used when inpod is removed from the node, never
+// on an agent restart: while the agent is away the plugin stays, so
+// enrolled pods fail closed.
+func (i *Installer) Uninstall() error {
+	entries, err := os.ReadDir(i.cfg.ConfDir)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	originals := filepath.Join(i.cfg.StateDir, "originals")
+	for _, e := range entries {
+		path := filepath.Join(i.cfg.ConfDir, e.Name())
+		data, err := os.ReadFile(path)
+		if err != nil {
+			continue
+		}
+		list, err := parseConfFile(data)
+		if err != nil || len(list.without().plugins) == len(list.plugins) {
+			continue
+		}
+		stripped := list.without()
+		restored := false
+		for _, name := range []string{e.Name(), strings.TrimSuffix(e.Name(), ".conflist") + ".conf", strings.TrimSuffix(e.Name(), ".conflist") + ".json"} {
+			orig, err := os.ReadFile(filepath.Join(originals, name))
+			if err != nil {
+				continue
+			}
+			origList, err := parseConfFile(orig)
+			if err != nil || !sameList(origList, stripped) {
+				continue
+			}
+			if err := writeAtomic(filepath.Join(i.cfg.ConfDir, name), orig, fileMode(path)); err != nil {
+				return err
+			}
+			if name != e.Name() {
+				os.Remove(path)
+			}
+			restored = true
+			break
+		}
+		if !restored {
+			out, err := stripped.marshal()
+			if err != nil {
+				return err
+			}
+			if err := writeAtomic(path, out, fileMode(path)); err != nil {
+				return err
+			}
+		}
+		i.log.Info("removed inpod-cni from CNI configuration", "file", path, "restoredOriginal", restored)
+	}
+	if err := os.Remove(filepath.Join(i.cfg.BinDir, PluginType)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return os.RemoveAll(originals)
+}
+
+func sameList(a, b *conflist) bool {
+	x, err1 := a.marshal()
+	y, err2 := b.marshal()
+	return err1 == nil && err2 == nil && jsonEqual(x, y)
+}
+
+// Run installs, then keeps the installation intact until ctx ends: file
+// events (and a periodic resync) trigger a check, and a broken installation
+// is repaired, at most MaxRepairsPerMinute times a minute. It waits for a
+// primary configuration to appear when there is none yet.
+func (i *Installer) Run(ctx context.Context) error {
+	w, err := fsnotify.NewWatcher()
+	if err != nil {
+		return fmt.Errorf("cniinstall: %w", err)
+	}
+	defer w.Close()
+	for _, dir := range []string{i.cfg.ConfDir, i.cfg.BinDir} {
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return fmt.Errorf("cniinstall: %w", err)
+		}
+		if err := w.Add(dir); err != nil {
+			return fmt.Errorf("cniinstall: watch %s: %w", dir, err)
+		}
+	}
+	i.reconcile()
+	resync := time.NewTicker(i.cfg.Resync)
+	defer resync.Stop()
+	var retry <-chan time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case ev := <-w.Events:
+			if isOwnTemp(ev.Name) {
+				continue
+			}
+		case err := <-w.Errors:
+			i.log.Warn("file watch error; relying on resync", "err", err)
+		case <-resync.C:
+		case <-retry:
+			retry = nil
+		}
+		// Coalesce a burst of events (an installer writing several files).
+		drain(w.Events, 20*time.Millisecond)
+		if wait := i.reconcile(); wait > 0 && retry == nil {
+			retry = time.After(wait)
+		}
+	}
+}
+
+func drain(events <-chan fsnotify.Event, quiet time.Duration) {
+	for {
+		select {
+		case <-events:
+		case <-time.After(quiet):
+			return
+		}
+	}
+}
+
+// reconcile checks and, when needed and allowed, repairs. It returns how long
+// to wait before trying again when repairs are being rate-limited.
+func (i *Installer) reconcile() time.Duration {
+	st := i.Check()
+	if st.Installed {
+		i.report(true, "")
+		return 0
+	}
+	i.report(false, st.Reason)
+	if wait := i.repairBudget(); wait > 0 {
+		i.log.Error("inpod-cni keeps being removed from the CNI configuration; another component is rewriting it. Pausing repairs; pods needing redirection cannot be scheduled here meanwhile",
+			"repairsInLastMinute", i.cfg.MaxRepairsPerMinute, "retryIn", wait, "reason", st.Reason)
+		return wait
+	}
+	st, err := i.Install()
+	if err != nil {
+		if errors.Is(err, errNoConfig) {
+			i.log.Info("waiting for the primary CNI configuration", "dir", i.cfg.ConfDir)
+		} else {
+			i.log.Error("could not install inpod-cni", "err", err)
+		}
+		return 0
+	}
+	i.log.Warn("repaired the CNI configuration", "file", st.Conflist, "was", i.reasonText())
+	i.report(st.Installed, st.Reason)
+	return 0
+}
+
+func (i *Installer) reasonText() string {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	return i.reason
+}
+
+func (i *Installer) repairBudget() time.Duration {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	now := time.Now()
+	kept := i.repairs[:0]
+	for _, t := range i.repairs {
+		if now.Sub(t) < time.Minute {
+			kept = append(kept, t)
+		}
+	}
+	i.repairs = kept
+	if len(i.repairs) >= i.cfg.MaxRepairsPerMinute {
+		return time.Minute - now.Sub(i.repairs[0])
+	}
+	i.repairs = append(i.repairs, now)
+	return 0
+}
+
+func (i *Installer) report(installed bool, reason string) {
+	i.mu.Lock()
+	changed := !i.reported || installed != i.installed
+	i.installed, i.reason, i.reported = installed, reason, true
+	i.mu.Unlock()
+	if !changed {
+		return
+	}
+	if installed {
+		i.log.Info("inpod-cni is installed")
+	} else {
+		i.log.Warn("inpod-cni is not installed", "reason", reason)
+	}
+	if i.cfg.OnChange != nil {
+		i.cfg.OnChange(installed, reason)
+	}
+}
+
+const tempPrefix = ".inpod-tmp-"
+
+func isOwnTemp(path string) bool { return strings.HasPrefix(filepath.Base(path), tempPrefix) }
+
+// writeAtomic writes a temp file beside path (its name has no CNI
+// extension, so no runtime reads it half-written), syncs it and renames it
+// into place.
+func writeAtomic(path string, data []byte, mode os.FileMode) error {
+	f, err := os.CreateTemp(filepath.Dir(path), tempPrefix+filepath.Base(path)+"-*")
+	if err != nil {
+		return fmt.Errorf("cniinstall: %w", err)
+	}
+	tmp := f.Name()
+	defer os.Remove(tmp)
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return fmt.Errorf("cniinstall: write %s: %w", tmp, err)
+	}
+	if err := f.Chmod(mode); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return fmt.Errorf("cniinstall: replace %s: %w", path, err)
+	}
+	return nil
+}
+
+func fileMode(path string) os.FileMode {
+	if fi, err := os.Stat(path); err == nil {
+		return fi.Mode().Perm()
+	}
+	return 0o644
+}

@@ -1,0 +1,112 @@
+package plugin_test
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/netns"
+	"github.com/inpod-dev/inpod/netns/netnstest"
+)
+
+// execPlugin runs a CNI plugin binary the way a runtime does, inside node.
+func execPlugin(b *testing.B, node *os.File, bin, command, podNetns, containerID string, stdin []byte) ([]byte, time.Duration) {
+	var out, stderr bytes.Buffer
+	var took time.Duration
+	err := netns.Do(node, func() error {
+		cmd := exec.Command(bin)
+		cmd.Env = []string{
+			"CNI_COMMAND=" + command, "CNI_CONTAINERID=" + containerID, "CNI_NETNS=" + podNetns,
+			"CNI_IFNAME=eth0", "CNI_PATH=" + filepath.Dir(bin),
+			"CNI_ARGS=IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=bench;K8S_POD_UID=u1",
+		}
+		cmd.Stdin, cmd.Stdout, cmd.Stderr = bytes.NewReader(stdin), &out, &stderr
+		start := time.Now()
+		err := cmd.Run()
+		took = time.Since(start)
+		return err
+	})
+	if err != nil {
+		b.Fatalf("%s %s: %v: %s %s", filepath.Base(bin), command, err, out.String(), stderr.String())
+	}
+	return out.Bytes(), took
+}
+
+// BenchmarkPassThroughAdd measures inpod-cni's ADD for a pod that is not
+// enrolled — once answered by a real agent socket, once in an excluded
+// namespace decided without asking — next to two baselines in the same
+// loop: a minimal Go program that only echoes prevResult (the exec floor)
+// and the reference bridge plugin's ADD into a fresh pod netns.
+func BenchmarkPassThroughAdd(b *testing.B) {
+	dir := pluginDir(b)
+	echo := filepath.Join(dir, "echo")
+	if out, err := exec.Command("go", "build", "-o", echo, "./testdata/echo").CombinedOutput(); err != nil {
+		b.Fatalf("build echo: %v: %s", err, out)
+	}
+	stripped := filepath.Join(b.TempDir(), "inpod-cni")
+	if out, err := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", stripped, "../cmd/inpod-cni").CombinedOutput(); err != nil {
+		b.Fatalf("build inpod-cni: %v: %s", err, out)
+	}
+	fi, err := os.Stat(stripped)
+	if err != nil {
+		b.Fatal(err)
+	}
+
+	node := netnstest.New(b)
+	nodeFile := node.Open(b)
+	socket := filepath.Join(b.TempDir(), "cni.sock")
+	startAgent(b, socket, &agent{verdict: func(*cnievent.Request) (cnievent.Outcome, error) {
+		return cnievent.NotEnrolled, nil
+	}})
+	ipamDir := b.TempDir()
+	bridgeConf, _ := json.Marshal(map[string]any{"cniVersion": "1.0.0", "name": "bench", "type": "bridge", "bridge": "bbr0",
+		"ipam": map[string]any{"type": "host-local", "subnet": "198.51.100.0/24", "dataDir": ipamDir}})
+	prev := []byte(`{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/var/run/netns/x"}],"ips":[{"address":"198.51.100.7/24","interface":0}]}`)
+	inpodConf := []byte(fmt.Sprintf(`{"cniVersion":"1.0.0","name":"bench","type":"inpod-cni","agentSocket":%q,"prevResult":%s}`, socket, prev))
+	// The same pod in an excluded namespace: decided without the agent.
+	excludedConf := []byte(fmt.Sprintf(`{"cniVersion":"1.0.0","name":"bench","type":"inpod-cni","agentSocket":%q,"excludeNamespaces":["default"],"prevResult":%s}`, socket, prev))
+
+	var echoT, inpodT, excludedT, bridgeT []time.Duration
+	b.ResetTimer()
+	for i := range b.N {
+		_, d := execPlugin(b, nodeFile, echo, "ADD", "/var/run/netns/x", "c", inpodConf)
+		echoT = append(echoT, d)
+		out, d := execPlugin(b, nodeFile, stripped, "ADD", "/var/run/netns/x", "c", inpodConf)
+		inpodT = append(inpodT, d)
+		if !bytes.Equal(out, prev) {
+			b.Fatalf("inpod-cni changed prevResult: %s", out)
+		}
+		_, d = execPlugin(b, nodeFile, stripped, "ADD", "/var/run/netns/x", "c", excludedConf)
+		excludedT = append(excludedT, d)
+		b.StopTimer()
+		pod := netnstest.New(b)
+		b.StartTimer()
+		id := fmt.Sprintf("c%d", i)
+		_, d = execPlugin(b, nodeFile, filepath.Join(dir, "bridge"), "ADD", pod.Path, id, bridgeConf)
+		bridgeT = append(bridgeT, d)
+		b.StopTimer()
+		execPlugin(b, nodeFile, filepath.Join(dir, "bridge"), "DEL", pod.Path, id, bridgeConf)
+		b.StartTimer()
+	}
+	b.StopTimer()
+	med := func(ds []time.Duration) float64 {
+		s := slices.Clone(ds)
+		slices.Sort(s)
+		return float64(s[len(s)/2].Microseconds()) / 1000
+	}
+	b.ReportMetric(float64(fi.Size())/(1<<20), "inpod-cni-MiB")
+	b.ReportMetric(med(echoT), "echo-floor-ms")
+	b.ReportMetric(med(inpodT), "inpod-passthrough-ms")
+	b.ReportMetric(med(excludedT), "inpod-excluded-ms")
+	b.ReportMetric(med(bridgeT), "bridge-add-ms")
+	b.ReportMetric(med(inpodT)/med(echoT), "inpod/floor-ratio")
+	b.ReportMetric(med(excludedT)/med(echoT), "inpod-excluded/floor-ratio")
+	b.ReportMetric(med(inpodT)/med(bridgeT), "inpod/bridge-ratio")
+}
