@@ -46,10 +46,10 @@ lint: deps
 test: deps lint check-generated test-integration test-e2e test-unit
 
 test-unit: deps
-	INPOD_CNI_BIN_DIR=$$(hack/cni-bins.sh) $(GO) test -race -count=1 ./...
+	INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh) $(GO) test -race -count=1 ./...
 
 # Binaries for the Kubernetes tiers, built once and cached by version.
-K8S_ENV = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh) INPOD_CNI_BIN_DIR=$$(hack/cni-bins.sh)
+K8S_ENV = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh) INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh)
 
 tagged_pkgs = $(shell grep -rl --include='*_test.go' '^//go:build $(1)' . | xargs -r -n1 dirname | sort -u)
 
@@ -64,7 +64,7 @@ test-e2e: deps
 bench: deps
 	$(GO) test -run '^$$' -bench . -benchtime 2000x ./zds/
 	$(GO) test -run '^$$' -bench . -benchtime 200x ./agent/redirect/
-	INPOD_CNI_BIN_DIR=$$(hack/cni-bins.sh) $(GO) test -run '^$$' -bench . -benchtime 100x ./plugin/
+	INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh) $(GO) test -run '^$$' -bench . -benchtime 100x ./plugin/
 
 # Pinned Kubernetes and etcd binaries for the test node, cached outside the
 # repo (INPOD_CACHE_DIR, default /var/cache/inpod): ~17 min cold, seconds warm.

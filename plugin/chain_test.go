@@ -38,9 +38,9 @@ var buildOnce struct {
 // pluginDir holds the reference plugins and a freshly built inpod-cni.
 func pluginDir(t testing.TB) string {
 	t.Helper()
-	ref := os.Getenv("INPOD_CNI_BIN_DIR")
+	ref := os.Getenv("INPOD_TEST_CNI_PLUGINS")
 	if ref == "" {
-		t.Fatal("INPOD_CNI_BIN_DIR is not set: run `make test-unit`, or export INPOD_CNI_BIN_DIR=$(hack/cni-bins.sh)")
+		t.Fatal("INPOD_TEST_CNI_PLUGINS is not set: run `make test-unit`, or export INPOD_TEST_CNI_PLUGINS=$(hack/cni-bins.sh)")
 	}
 	buildOnce.Do(func() {
 		dir, err := os.MkdirTemp("", "inpod-cni-bin")

@@ -21,7 +21,7 @@ import (
 
 // CNIBinDirEnv names the directory with the reference CNI plugins; the
 // Makefile sets it from hack/cni-bins.sh.
-const CNIBinDirEnv = "INPOD_CNI_BIN_DIR"
+const CNIBinDirEnv = "INPOD_TEST_CNI_PLUGINS"
 
 // Names and ranges of the node's networking. The pod range is reserved for
 // benchmarking (RFC 2544) so it cannot collide with any real network.
@@ -35,7 +35,7 @@ const (
 type NodeConfig struct {
 	Config
 	// CNIBinDir holds bridge, host-local, loopback, portmap (default:
-	// $INPOD_CNI_BIN_DIR).
+	// $INPOD_TEST_CNI_PLUGINS).
 	CNIBinDir string
 	// RepoDir is the inpod module root, for building images.
 	RepoDir string

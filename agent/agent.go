@@ -1,0 +1,399 @@
+// Package agent wires the node agent together: it builds each piece from
+// Config (redirection engine, host probe rules, pod informers, enrollment
+// pipeline, CNI event server, CNI installer, ZDS server, readiness, metrics)
+// and runs them. The logic lives in the sub-packages; this package only
+// connects them.
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/util/workqueue"
+
+	"github.com/inpod-dev/inpod/agent/cniinstall"
+	"github.com/inpod-dev/inpod/agent/cniserver"
+	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/agent/observe"
+	"github.com/inpod-dev/inpod/agent/podnetns"
+	"github.com/inpod-dev/inpod/agent/readiness"
+	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/netns"
+	"github.com/inpod-dev/inpod/zds"
+)
+
+// Config is everything the agent needs; cmd/inpod-agent fills it from
+// flags and INPOD_* variables.
+type Config struct {
+	NodeName   string
+	Kubeconfig string // empty: in-cluster
+
+	ZDSSocket string
+	CNISocket string
+
+	CNIBinarySource string
+	CNIBinDir       string
+	CNIConfDir      string
+	StateDir        string
+	// InstallCNI false leaves the CNI configuration alone (tests that
+	// drive the plugin directly, or nodes set up by hand).
+	InstallCNI bool
+
+	RedirectBackend    string // auto, nftables, iptables-nft, iptables-legacy
+	DNSCapture         bool
+	ExcludedNamespaces []string
+	ProcRoot           string
+	// HostNetNS is the node netns (default: the agent's own; it runs with
+	// hostNetwork).
+	HostNetNS string
+
+	HealthAddr  string
+	MetricsAddr string
+	Logger      *slog.Logger
+
+	// Ready, when set, is used instead of a new aggregate, so the gates can
+	// follow the same signal.
+	Ready *readiness.Aggregate
+}
+
+// Agent is a running node agent.
+type Agent struct {
+	cfg      Config
+	log      *slog.Logger
+	Ready    *readiness.Aggregate
+	Metrics  *observe.Metrics
+	pipeline *enroll.Pipeline
+}
+
+// New validates cfg.
+func New(cfg Config) (*Agent, error) {
+	if cfg.NodeName == "" {
+		return nil, errors.New("agent: the node name is required (--node-name, usually from the downward API)")
+	}
+	if cfg.HostNetNS == "" {
+		cfg.HostNetNS = "/proc/self/ns/net"
+	}
+	if cfg.RedirectBackend == "" {
+		cfg.RedirectBackend = "auto"
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	ready := cfg.Ready
+	if ready == nil {
+		ready = readiness.New(log, readiness.CNIInstalled, readiness.ZtunnelConnected, readiness.PodsSynced)
+	}
+	a := &Agent{cfg: cfg, log: log, Ready: ready, Metrics: observe.NewMetrics()}
+	ready.OnChange(a.Metrics.Readiness)
+	return a, nil
+}
+
+// Run runs the agent until ctx ends. Shutting down leaves the data path as
+// it is: rules stay in every pod, ztunnel keeps its proxies, the CNI plugin
+// stays installed (enrolled pods fail closed until the agent is back).
+func (a *Agent) Run(ctx context.Context) error {
+	cfg := a.cfg
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	errc := make(chan error, 8)
+	goRun := func(name string, fn func() error) {
+		wg.Go(func() {
+			if err := fn(); err != nil && ctx.Err() == nil {
+				errc <- fmt.Errorf("%s: %w", name, err)
+			}
+		})
+	}
+
+	restCfg, err := loadRestConfig(cfg.Kubeconfig)
+	if err != nil {
+		return err
+	}
+	client, err := kubernetes.NewForConfig(restCfg)
+	if err != nil {
+		return err
+	}
+
+	hostNS, err := netns.Open(cfg.HostNetNS)
+	if err != nil {
+		return fmt.Errorf("agent: node netns: %w", err)
+	}
+	defer hostNS.Close()
+	backend, det, err := redirect.NewBackend(cfg.RedirectBackend, hostNS)
+	if err != nil {
+		return fmt.Errorf("agent: redirection backend: %w", err)
+	}
+	a.log.Info("redirection backend chosen", "backend", backend.Name(), "why", det.Reason)
+	engine := redirect.NewEngine(backend, otherBackends(backend.Name())...)
+	probes := redirect.NewHostProbes(hostNS)
+	if err := probes.Ensure(); err != nil {
+		return fmt.Errorf("agent: host probe rules: %w", err)
+	}
+
+	podInf, nsInf := newInformers(client, cfg.NodeName)
+	pods := &podCache{client: client, pods: podInf.Core().V1().Pods().Lister(),
+		namespaces: nsInf.Core().V1().Namespaces().Lister(), cacheWait: 5 * time.Second}
+	annotations := enroll.NewAnnotationWriter(client, a.log)
+	goRun("annotations", func() error { annotations.Run(ctx); return nil })
+
+	var zdsServer *zds.Server
+	a.pipeline = enroll.New(enroll.Config{
+		Policy:      enroll.Policy{ExcludedNamespaces: cfg.ExcludedNamespaces},
+		Options:     redirect.Options{DNSCapture: cfg.DNSCapture},
+		Rules:       engine,
+		Probes:      probes,
+		Ztunnel:     ztunnelRef{&zdsServer},
+		Pods:        pods,
+		Finder:      podnetns.Finder{ProcRoot: cfg.ProcRoot},
+		Annotations: annotations,
+		Events:      observe.NewEvents(ctx, client, cfg.NodeName),
+		Observer:    a.Metrics,
+		Logger:      a.log,
+	})
+	defer a.pipeline.Close()
+	zdsServer, err = zds.NewServer(zds.Config{SocketPath: cfg.ZDSSocket, Source: a.pipeline, Logger: a.log})
+	if err != nil {
+		return err
+	}
+
+	cniSrv, err := cniserver.New(cniserver.Config{SocketPath: cfg.CNISocket, Handler: a.pipeline, Logger: a.log})
+	if err != nil {
+		return err
+	}
+	if err := cniSrv.Listen(); err != nil {
+		return err
+	}
+	goRun("cni event server", func() error { return cniSrv.Serve(ctx) })
+
+	if cfg.InstallCNI {
+		if err := a.writeAPIAccess(restCfg); err != nil {
+			a.log.Warn("no API access file for the plugin; while the agent is down it cannot tell enrolled pods apart and fails every pod's ADD", "err", err)
+		}
+		inst, err := cniinstall.New(cniinstall.Config{
+			BinarySource: cfg.CNIBinarySource, BinDir: cfg.CNIBinDir, ConfDir: cfg.CNIConfDir,
+			StateDir: filepath.Join(cfg.StateDir, "cni"), Logger: a.log,
+			Entry: cniinstall.Entry{AgentSocket: cfg.CNISocket, ExcludeNamespaces: cfg.ExcludedNamespaces,
+				APIAccess: filepath.Join(cfg.CNIConfDir, apiAccessFile)},
+			OnChange: func(ok bool, reason string) {
+				if !ok {
+					a.Metrics.CNIRepaired()
+				}
+				a.Ready.Set(readiness.CNIInstalled, ok, reason)
+			},
+		})
+		if err != nil {
+			return err
+		}
+		goRun("cni installer", func() error { return inst.Run(ctx) })
+	} else {
+		a.Ready.Set(readiness.CNIInstalled, true, "")
+	}
+
+	// Reconcile pods through a rate-limited queue, so failures retry with
+	// backoff and one pod never blocks another.
+	queue := workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[types.NamespacedName]())
+	podInf.Core().V1().Pods().Informer().AddEventHandler(handlerFuncs(
+		func(obj any) { enqueuePod(queue, obj) },
+		func(obj any) { enqueuePod(queue, obj) },
+	))
+	nsInf.Core().V1().Namespaces().Informer().AddEventHandler(handlerFuncs(func(obj any) {
+		if ns, ok := obj.(*corev1.Namespace); ok {
+			for _, p := range pods.podsOfNamespace(ns.Name) {
+				queue.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
+			}
+		}
+	}, func(any) {}))
+	podInf.Start(ctx.Done())
+	nsInf.Start(ctx.Done())
+	a.log.Info("waiting for the pod and namespace watches to sync")
+	if !cache.WaitForCacheSync(ctx.Done(), podInf.Core().V1().Pods().Informer().HasSynced, nsInf.Core().V1().Namespaces().Informer().HasSynced) {
+		return ctx.Err()
+	}
+	// Restore before serving ztunnel: every running enrolled pod's netns is
+	// found and its rules verified, so the first snapshot is complete.
+	a.restore(ctx, pods, probes)
+	a.Ready.Set(readiness.PodsSynced, true, "")
+	go func() {
+		<-ctx.Done()
+		queue.ShutDown()
+	}()
+	goRun("reconciler", func() error { a.reconcileLoop(ctx, queue, pods); return nil })
+
+	if err := zdsServer.Listen(); err != nil {
+		return err
+	}
+	goRun("zds server", func() error { return zdsServer.Serve(ctx) })
+	goRun("zds readiness", func() error {
+		states, stop := zdsServer.Subscribe()
+		defer stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return nil
+			case st := <-states:
+				a.Metrics.ZtunnelConnections(st.Connections)
+				reason := ""
+				if !st.Ready {
+					reason = fmt.Sprintf("no ztunnel has acknowledged a snapshot (%d connections)", st.Connections)
+				}
+				a.Ready.Set(readiness.ZtunnelConnected, st.Ready, reason)
+			}
+		}
+	})
+	goRun("observability", func() error { return observe.Serve(ctx, a.log, cfg.HealthAddr, cfg.MetricsAddr, a.Metrics, a.Ready) })
+
+	select {
+	case <-ctx.Done():
+		a.log.Info("agent stopping; rules, ztunnel's proxies and the CNI plugin stay in place")
+		return nil
+	case err := <-errc:
+		return err
+	}
+}
+
+// Pipeline exposes the enrolled-pod table (for tests and the gates).
+func (a *Agent) Pipeline() *enroll.Pipeline { return a.pipeline }
+
+func (a *Agent) restore(ctx context.Context, pods *podCache, probes *redirect.HostProbes) {
+	all, _ := pods.pods.List(labels.Everything())
+	for _, p := range all {
+		if err := a.pipeline.Reconcile(ctx, p); err != nil {
+			a.log.Warn("could not restore pod at start; will retry", "pod", p.Namespace+"/"+p.Name, "err", err)
+		}
+	}
+	if err := probes.Prune(a.pipeline.EnrolledIPs()); err != nil {
+		a.log.Warn("could not prune the probe set", "err", err)
+	}
+	a.log.Info("restored enrolled pods", "pods", len(a.pipeline.EnrolledIPs()))
+}
+
+func (a *Agent) reconcileLoop(ctx context.Context, queue workqueue.TypedRateLimitingInterface[types.NamespacedName], pods *podCache) {
+	for {
+		key, quit := queue.Get()
+		if quit {
+			return
+		}
+		err := a.reconcileOne(ctx, key, pods)
+		if err != nil {
+			a.log.Warn("reconcile failed; retrying with backoff", "pod", key, "err", err)
+			queue.AddRateLimited(key)
+		} else {
+			queue.Forget(key)
+		}
+		queue.Done(key)
+	}
+}
+
+func (a *Agent) reconcileOne(ctx context.Context, key types.NamespacedName, pods *podCache) error {
+	pod, err := pods.pods.Pods(key.Namespace).Get(key.Name)
+	if err != nil {
+		// Deleted: forget it if it was enrolled.
+		if uid, ok := a.pipeline.UIDOf(key); ok {
+			return a.pipeline.Unenroll(ctx, uid)
+		}
+		return nil
+	}
+	return a.pipeline.Reconcile(ctx, pod)
+}
+
+func enqueuePod(q workqueue.TypedRateLimitingInterface[types.NamespacedName], obj any) {
+	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = d.Obj
+	}
+	if p, ok := obj.(*corev1.Pod); ok {
+		q.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
+	}
+}
+
+func labelsEverything() labels.Selector { return labels.Everything() }
+
+// ztunnelRef lets the pipeline be built before the ZDS server, which needs
+// the pipeline as its pod source.
+type ztunnelRef struct{ s **zds.Server }
+
+func (z ztunnelRef) Add(ctx context.Context, w zds.Workload) error { return (*z.s).Add(ctx, w) }
+func (z ztunnelRef) Del(ctx context.Context, uid string) error     { return (*z.s).Del(ctx, uid) }
+
+// otherBackends are cleaned out of pods when another backend is in use.
+func otherBackends(inUse string) []redirect.Backend {
+	var out []redirect.Backend
+	if inUse != "nftables" {
+		out = append(out, redirect.NewNFTables())
+	}
+	for _, mode := range []redirect.IPTablesMode{redirect.IPTablesNFT, redirect.IPTablesLegacy} {
+		if "iptables-"+string(mode) == inUse {
+			continue
+		}
+		if b, err := redirect.NewIPTables(mode); err == nil {
+			out = append(out, b)
+		}
+	}
+	return out
+}
+
+func loadRestConfig(kubeconfig string) (*rest.Config, error) {
+	if kubeconfig != "" {
+		return clientcmd.BuildConfigFromFlags("", kubeconfig)
+	}
+	cfg, err := rest.InClusterConfig()
+	if err != nil {
+		return nil, fmt.Errorf("agent: not in a cluster and no --kubeconfig: %w", err)
+	}
+	return cfg, nil
+}
+
+const apiAccessFile = "inpod-api-access.json"
+
+// writeAPIAccess gives the plugin what it needs to decide enrollment while
+// the agent is away: the API server, its CA and the agent's (read-only for
+// pods and namespaces) token. The file is 0600 and never read by runtimes
+// (not a CNI extension).
+func (a *Agent) writeAPIAccess(cfg *rest.Config) error {
+	token := cfg.BearerToken
+	if token == "" && cfg.BearerTokenFile != "" {
+		data, err := os.ReadFile(cfg.BearerTokenFile)
+		if err != nil {
+			return err
+		}
+		token = string(data)
+	}
+	if token == "" {
+		return errors.New("the agent authenticates without a bearer token")
+	}
+	ca := cfg.CAData
+	if len(ca) == 0 && cfg.CAFile != "" {
+		data, err := os.ReadFile(cfg.CAFile)
+		if err != nil {
+			return err
+		}
+		ca = data
+	}
+	data, err := json.Marshal(map[string]any{"server": cfg.Host, "caData": ca, "token": token})
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(a.cfg.CNIConfDir, 0o755); err != nil {
+		return err
+	}
+	tmp := filepath.Join(a.cfg.CNIConfDir, ".inpod-tmp-"+apiAccessFile)
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, filepath.Join(a.cfg.CNIConfDir, apiAccessFile))
+}

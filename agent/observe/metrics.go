@@ -1,0 +1,149 @@
+// Package observe is the agent's outward view: Prometheus metrics, the
+// health endpoints, and Kubernetes events on pods.
+package observe
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/inpod-dev/inpod/agent/readiness"
+)
+
+// Metrics are the agent's Prometheus series.
+type Metrics struct {
+	Registry         *prometheus.Registry
+	enrollments      *prometheus.CounterVec
+	failures         *prometheus.CounterVec
+	removals         prometheus.Counter
+	latency          *prometheus.HistogramVec
+	ztunnelConns     prometheus.Gauge
+	ready            prometheus.Gauge
+	readyTransitions prometheus.Counter
+	cniRepairs       prometheus.Counter
+
+	mu        sync.Mutex
+	published bool
+	lastReady float64
+}
+
+// NewMetrics registers every series.
+func NewMetrics() *Metrics {
+	r := prometheus.NewRegistry()
+	m := &Metrics{
+		Registry: r,
+		enrollments: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_enrollments_total",
+			Help: "Pods enrolled, by how the agent learned of them (cni, reconcile)."}, []string{"source"}),
+		failures: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_enrollment_failures_total",
+			Help: "Failed enrollments, by reason."}, []string{"reason"}),
+		removals: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_unenrollments_total",
+			Help: "Pods taken out of the mesh."}),
+		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "inpod_enrollment_duration_seconds",
+			Help:    "From the CNI event (or reconcile) to rules applied and ztunnel's ack.",
+			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10}}, []string{"source"}),
+		ztunnelConns: prometheus.NewGauge(prometheus.GaugeOpts{Name: "inpod_ztunnel_connections",
+			Help: "Live ZDS connections."}),
+		ready: prometheus.NewGauge(prometheus.GaugeOpts{Name: "inpod_node_ready",
+			Help: "1 while the node is ready for redirection (the gate's signal)."}),
+		readyTransitions: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_node_ready_transitions_total",
+			Help: "Changes of inpod_node_ready."}),
+		cniRepairs: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_cni_repairs_total",
+			Help: "Times the CNI configuration or binary had to be put back."}),
+	}
+	r.MustRegister(m.enrollments, m.failures, m.removals, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+// Enrolled implements enroll.Observer.
+func (m *Metrics) Enrolled(source string, took time.Duration) {
+	m.enrollments.WithLabelValues(source).Inc()
+	m.latency.WithLabelValues(source).Observe(took.Seconds())
+}
+
+// Failed implements enroll.Observer.
+func (m *Metrics) Failed(reason string) { m.failures.WithLabelValues(reason).Inc() }
+
+// Removed implements enroll.Observer.
+func (m *Metrics) Removed() { m.removals.Inc() }
+
+// ZtunnelConnections sets the connection gauge.
+func (m *Metrics) ZtunnelConnections(n int) { m.ztunnelConns.Set(float64(n)) }
+
+// CNIRepaired counts a repair.
+func (m *Metrics) CNIRepaired() { m.cniRepairs.Inc() }
+
+// Readiness follows the aggregate; register it with Aggregate.OnChange,
+// which calls it in order.
+func (m *Metrics) Readiness(st readiness.State) {
+	v := 0.0
+	if st.Ready {
+		v = 1
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.published && m.lastReady != v {
+		m.readyTransitions.Inc()
+	}
+	m.published, m.lastReady = true, v
+	m.ready.Set(v)
+}
+
+// Serve runs the health endpoints (healthAddr: /healthz, /readyz) and the
+// metrics endpoint (metricsAddr: /metrics) until ctx ends. /readyz answers
+// 503 naming the failing conditions while the node is not ready.
+func Serve(ctx context.Context, log *slog.Logger, healthAddr, metricsAddr string, m *Metrics, ready *readiness.Aggregate) error {
+	health := http.NewServeMux()
+	health.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("ok\n")) })
+	health.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
+		st := ready.State()
+		if !st.Ready {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			w.Write([]byte("not ready:\n  " + strings.Join(st.Failing, "\n  ") + "\n"))
+			return
+		}
+		w.Write([]byte("ready\n"))
+	})
+	metrics := http.NewServeMux()
+	metrics.Handle("/metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
+	errc := make(chan error, 2)
+	var servers []*http.Server
+	for _, s := range []struct {
+		addr string
+		mux  *http.ServeMux
+	}{{healthAddr, health}, {metricsAddr, metrics}} {
+		if s.addr == "" {
+			continue
+		}
+		ln, err := net.Listen("tcp", s.addr)
+		if err != nil {
+			return err
+		}
+		srv := &http.Server{Handler: s.mux, ReadHeaderTimeout: 5 * time.Second}
+		servers = append(servers, srv)
+		log.Info("serving", "addr", ln.Addr().String())
+		go func() { errc <- srv.Serve(ln) }()
+	}
+	select {
+	case <-ctx.Done():
+	case err := <-errc:
+		if !errors.Is(err, http.ErrServerClosed) {
+			return err
+		}
+	}
+	for _, s := range servers {
+		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		s.Shutdown(sctx)
+		cancel()
+	}
+	return nil
+}

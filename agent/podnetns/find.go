@@ -1,0 +1,140 @@
+// Package podnetns finds the network namespace of a running pod from
+// procfs, for pods the agent did not see through a CNI event: pods that were
+// already running when the agent started, and pods whose labels enrolled
+// them later.
+package podnetns
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/vishvananda/netlink"
+	vnetns "github.com/vishvananda/netns"
+
+	"github.com/inpod-dev/inpod/netns"
+)
+
+// ErrNotFound means no process of the pod has a netns holding its IPs.
+var ErrNotFound = errors.New("pod netns not found")
+
+// Finder scans a procfs.
+type Finder struct {
+	// ProcRoot is the host's procfs (default /proc; /host/proc when the
+	// agent runs in a container with the host's mounted there).
+	ProcRoot string
+}
+
+type candidate struct {
+	pid   int
+	start uint64
+}
+
+// Find returns the netns of the pod with the given UID: among the processes
+// whose cgroup names the pod, the oldest whose network namespace has an
+// interface holding one of ips. The caller owns the returned file.
+//
+// Both checks matter: the cgroup ties a process to the pod (a container
+// process could otherwise claim any pod's IP), and the IP check ties the
+// namespace to the pod's network (host-network containers of the same pod
+// share the host's).
+func (f Finder) Find(uid string, ips []netip.Addr) (*os.File, error) {
+	root := f.ProcRoot
+	if root == "" {
+		root = "/proc"
+	}
+	if uid == "" || len(ips) == 0 {
+		return nil, fmt.Errorf("podnetns: need the pod's uid and at least one IP")
+	}
+	entries, err := os.ReadDir(root)
+	if err != nil {
+		return nil, fmt.Errorf("podnetns: read %s: %w", root, err)
+	}
+	needles := []string{"pod" + uid, "pod" + strings.ReplaceAll(uid, "-", "_")}
+	var cands []candidate
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if !inPodCgroup(filepath.Join(root, e.Name(), "cgroup"), needles) {
+			continue
+		}
+		cands = append(cands, candidate{pid: pid, start: startTime(filepath.Join(root, e.Name(), "stat"))})
+	}
+	slices.SortFunc(cands, func(a, b candidate) int { return int(a.start) - int(b.start) })
+	for _, c := range cands {
+		f, err := netns.Open(filepath.Join(root, strconv.Itoa(c.pid), "ns", "net"))
+		if err != nil {
+			continue // the process exited meanwhile
+		}
+		if holdsAny(f, ips) {
+			return f, nil
+		}
+		f.Close()
+	}
+	return nil, fmt.Errorf("%w: pod %s (%d processes in its cgroups, none in a netns holding %v)", ErrNotFound, uid, len(cands), ips)
+}
+
+func inPodCgroup(path string, needles []string) bool {
+	file, err := os.Open(path)
+	if err != nil {
+		return false
+	}
+	defer file.Close()
+	s := bufio.NewScanner(file)
+	for s.Scan() {
+		for _, n := range needles {
+			if strings.Contains(s.Text(), n) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// startTime is field 22 of /proc/<pid>/stat, in clock ticks since boot.
+func startTime(path string) uint64 {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return ^uint64(0)
+	}
+	// The command name may contain spaces; fields count from after it.
+	i := strings.LastIndexByte(string(data), ')')
+	if i < 0 {
+		return ^uint64(0)
+	}
+	fields := strings.Fields(string(data[i+1:]))
+	if len(fields) < 20 {
+		return ^uint64(0)
+	}
+	v, err := strconv.ParseUint(fields[19], 10, 64)
+	if err != nil {
+		return ^uint64(0)
+	}
+	return v
+}
+
+func holdsAny(ns *os.File, ips []netip.Addr) bool {
+	h, err := netlink.NewHandleAt(vnetns.NsHandle(int(ns.Fd())))
+	if err != nil {
+		return false
+	}
+	defer h.Close()
+	addrs, err := h.AddrList(nil, netlink.FAMILY_ALL)
+	if err != nil {
+		return false
+	}
+	for _, a := range addrs {
+		if ip, ok := netip.AddrFromSlice(a.IP); ok && slices.Contains(ips, ip.Unmap()) {
+			return true
+		}
+	}
+	return false
+}

@@ -1,0 +1,100 @@
+package podnetns_test
+
+import (
+	"errors"
+
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"testing"
+
+	"github.com/inpod-dev/inpod/agent/podnetns"
+	"github.com/inpod-dev/inpod/netns"
+	"github.com/inpod-dev/inpod/netns/netnstest"
+)
+
+// podCgroup makes a cgroup named like the kubelet's (cgroupfs driver) and
+// removes it at cleanup.
+func podCgroup(t *testing.T, uid string) string {
+	t.Helper()
+	dir := filepath.Join("/sys/fs/cgroup/pids", "inpod-test-kubepods", "besteffort", "pod"+uid)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Skipf("needs a writable cgroup v1 pids hierarchy: %v", err)
+	}
+	t.Cleanup(func() {
+		os.Remove(dir)
+		os.Remove(filepath.Dir(dir))
+		os.Remove(filepath.Dir(filepath.Dir(dir)))
+	})
+	return dir
+}
+
+// sleeper starts a process inside ns (or the host netns when ns is nil),
+// optionally in a cgroup, and kills it at cleanup.
+func sleeper(t *testing.T, ns *netnstest.NetNS, cgroup string) int {
+	t.Helper()
+	args := []string{"sleep", "300"}
+	if ns != nil {
+		args = append([]string{"ip", "netns", "exec", ns.Name}, args...)
+	}
+	cmd := exec.Command(args[0], args[1:]...)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	if cgroup != "" {
+		if err := os.WriteFile(filepath.Join(cgroup, "cgroup.procs"), []byte(strconv.Itoa(cmd.Process.Pid)), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return cmd.Process.Pid
+}
+
+func TestFindMatchesCgroupAndIP(t *testing.T) {
+	netnstest.RequireRoot(t)
+	uid := "6f1c2d3e-4a5b-4c6d-8e7f-0a1b2c3d4e5f"
+	cg := podCgroup(t, uid)
+	pod, other := netnstest.New(t), netnstest.New(t)
+	pod.Exec(t, "ip", "addr", "add", "198.51.100.20/32", "dev", "lo")
+	// A decoy outside the pod's cgroup claims the same IP.
+	other.Exec(t, "ip", "addr", "add", "198.51.100.20/32", "dev", "lo")
+	sleeper(t, other, "")
+	// A host-network process of the pod does not hold the IP.
+	sleeper(t, nil, cg)
+	sleeper(t, pod, cg)
+
+	f, err := podnetns.Finder{}.Find(uid, []netip.Addr{netip.MustParseAddr("198.51.100.20")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	got, _ := netns.IdentityOf(int(f.Fd()))
+	want := identity(t, pod.Path)
+	if got != want {
+		t.Fatalf("found netns %v, want the pod's %v", got, want)
+	}
+
+	_, err = podnetns.Finder{}.Find(uid, []netip.Addr{netip.MustParseAddr("198.51.100.21")})
+	if !errors.Is(err, podnetns.ErrNotFound) {
+		t.Fatalf("Find with an IP the pod lacks = %v, want ErrNotFound", err)
+	}
+	_, err = podnetns.Finder{}.Find("00000000-0000-0000-0000-000000000000", []netip.Addr{netip.MustParseAddr("198.51.100.20")})
+	if !errors.Is(err, podnetns.ErrNotFound) {
+		t.Fatalf("Find for another uid = %v, want ErrNotFound", err)
+	}
+}
+
+func identity(t *testing.T, path string) netns.Identity {
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	id, err := netns.IdentityOf(int(f.Fd()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id
+}

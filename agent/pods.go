@@ -1,0 +1,73 @@
+package agent
+
+import (
+	"context"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	listersv1 "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
+)
+
+// podCache answers the pipeline from the informers: the pods of this node
+// and all namespaces.
+type podCache struct {
+	client     kubernetes.Interface
+	pods       listersv1.PodLister
+	namespaces listersv1.NamespaceLister
+	// cacheWait bounds how long a CNI event waits for the watch to deliver a
+	// pod it has not seen yet, before one direct API read.
+	cacheWait time.Duration
+}
+
+func newInformers(client kubernetes.Interface, node string) (podInf, nsInf informers.SharedInformerFactory) {
+	podInf = informers.NewSharedInformerFactoryWithOptions(client, 0,
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", node).String()
+		}))
+	nsInf = informers.NewSharedInformerFactory(client, 0)
+	return podInf, nsInf
+}
+
+func (c *podCache) Pod(ctx context.Context, namespace, name string) (*corev1.Pod, error) {
+	deadline := time.Now().Add(c.cacheWait)
+	for {
+		pod, err := c.pods.Pods(namespace).Get(name)
+		if err == nil {
+			return pod, nil
+		}
+		if !apierrors.IsNotFound(err) {
+			return nil, err
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	return c.client.CoreV1().Pods(namespace).Get(rctx, name, metav1.GetOptions{})
+}
+
+func (c *podCache) Namespace(name string) (*corev1.Namespace, error) {
+	return c.namespaces.Get(name)
+}
+
+// podsOfNamespace lists this node's pods in a namespace from the cache.
+func (c *podCache) podsOfNamespace(ns string) []*corev1.Pod {
+	pods, _ := c.pods.Pods(ns).List(labelsEverything())
+	return pods
+}
+
+func handlerFuncs(add func(obj any), del func(obj any)) cache.ResourceEventHandlerFuncs {
+	return cache.ResourceEventHandlerFuncs{
+		AddFunc:    add,
+		UpdateFunc: func(_, obj any) { add(obj) },
+		DeleteFunc: del,
+	}
+}

@@ -1,0 +1,73 @@
+// Command inpod-agent is the node agent: it installs the inpod-cni plugin,
+// enrolls pods into the mesh, installs their redirection rules, hands their
+// network namespaces to ztunnel, and reports the node's readiness. See
+// package agent.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	"github.com/inpod-dev/inpod/agent"
+	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/internal/envflag"
+	"github.com/inpod-dev/inpod/zds"
+)
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "inpod-agent:", err)
+		os.Exit(1)
+	}
+}
+
+func run() error {
+	fs := flag.NewFlagSet("inpod-agent", flag.ContinueOnError)
+	var cfg agent.Config
+	fs.StringVar(&cfg.NodeName, "node-name", "", "this node's name (set it from the downward API: spec.nodeName)")
+	fs.StringVar(&cfg.Kubeconfig, "kubeconfig", "", "kubeconfig to use instead of the in-cluster service account")
+	fs.StringVar(&cfg.ZDSSocket, "zds-socket", zds.DefaultSocketPath, "the ZDS socket ztunnel connects to")
+	fs.StringVar(&cfg.CNISocket, "cni-socket", cnievent.DefaultSocketPath, "the socket the inpod-cni plugin talks to")
+	fs.StringVar(&cfg.CNIBinarySource, "cni-binary", "/opt/inpod/bin/inpod-cni", "the inpod-cni binary to install on the node")
+	fs.StringVar(&cfg.CNIBinDir, "cni-bin-dir", "/opt/cni/bin", "the node's CNI plugin directory")
+	fs.StringVar(&cfg.CNIConfDir, "cni-conf-dir", "/etc/cni/net.d", "the node's CNI configuration directory")
+	fs.BoolVar(&cfg.InstallCNI, "install-cni", true, "install inpod-cni and keep it chained last in the primary configuration")
+	fs.StringVar(&cfg.StateDir, "state-dir", "/var/lib/inpod", "the agent's state on the node (backups of CNI files)")
+	fs.StringVar(&cfg.RedirectBackend, "redirect-backend", "auto", "auto, nftables, iptables-nft or iptables-legacy")
+	fs.BoolVar(&cfg.DNSCapture, "dns-capture", false, "send enrolled pods' DNS to ztunnel's DNS proxy (15053)")
+	exclude := fs.String("exclude-namespaces", "kube-system", "comma-separated namespaces never enrolled")
+	fs.StringVar(&cfg.ProcRoot, "proc-root", "/proc", "the host's procfs (to find running pods' network namespaces)")
+	fs.StringVar(&cfg.HealthAddr, "health-addr", ":15021", "address of /healthz and /readyz")
+	fs.StringVar(&cfg.MetricsAddr, "metrics-addr", ":15020", "address of /metrics")
+	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	err := envflag.Parse(fs, "inpod-agent: the inpod node agent (run as a DaemonSet with hostNetwork)", os.Args[1:])
+	if err == flag.ErrHelp {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(*logLevel)); err != nil {
+		return fmt.Errorf("invalid --log-level %q: %v", *logLevel, err)
+	}
+	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+	for _, ns := range strings.Split(*exclude, ",") {
+		if ns = strings.TrimSpace(ns); ns != "" {
+			cfg.ExcludedNamespaces = append(cfg.ExcludedNamespaces, ns)
+		}
+	}
+	a, err := agent.New(cfg)
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	return a.Run(ctx)
+}
