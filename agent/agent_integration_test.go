@@ -8,11 +8,14 @@ import (
 
 	"io"
 	"log/slog"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -45,12 +48,14 @@ type world struct {
 	binDir  string
 	standin *ztunnel.Standin
 	agent   *agent.Agent
+	cfg     agent.Config
+	// stopStandin stops the current stand-in.
+	stopStandin func()
 }
 
 func newWorld(t *testing.T) *world {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
+	ctx := context.Background()
 	cp, err := cluster.StartControlPlane(ctx, cluster.Config{Root: filepath.Join(t.TempDir(), "cp")})
 	if err != nil {
 		t.Fatal(err)
@@ -93,37 +98,51 @@ func newWorld(t *testing.T) *world {
 		}
 	}
 
-	zdsSocket := filepath.Join(dir, "zt", "ztunnel.sock")
-	a, err := agent.New(agent.Config{
+	w.cfg = agent.Config{
 		NodeName: nodeName, Kubeconfig: cp.Kubeconfig,
-		ZDSSocket: zdsSocket, CNISocket: filepath.Join(dir, "inpod", "cni.sock"),
+		ZDSSocket: filepath.Join(dir, "zt", "ztunnel.sock"), CNISocket: filepath.Join(dir, "inpod", "cni.sock"),
 		CNIBinarySource: pluginBin, CNIBinDir: w.binDir, CNIConfDir: w.confDir, InstallCNI: true,
 		StateDir: filepath.Join(dir, "state"), RedirectBackend: "nftables",
 		ExcludedNamespaces: []string{"kube-system"}, HostNetNS: w.node.Path,
 		HealthAddr: "127.0.0.1:0", MetricsAddr: "127.0.0.1:0",
-		Logger: slog.New(slog.NewTextHandler(testWriter{t}, nil)),
-	})
+	}
+	w.stopStandin = w.startStandin()
+	return w
+}
+
+// startInProcessAgent runs the agent inside the test until it ends.
+func (w *world) startInProcessAgent() {
+	w.t.Helper()
+	cfg := w.cfg
+	cfg.Logger = slog.New(slog.NewTextHandler(testWriter{w.t}, nil))
+	a, err := agent.New(cfg)
 	if err != nil {
-		t.Fatal(err)
+		w.t.Fatal(err)
 	}
 	w.agent = a
+	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- a.Run(ctx) }()
-	t.Cleanup(func() {
+	w.t.Cleanup(func() {
 		cancel()
 		if err := <-done; err != nil {
-			t.Errorf("agent: %v", err)
+			w.t.Errorf("agent: %v", err)
 		}
 	})
-	w.standin = ztunnel.New(ztunnel.Config{SocketPath: zdsSocket, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	w.eventually("the agent ready", func() bool { return a.Ready.State().Ready })
+}
+
+// startStandin connects a fresh ztunnel stand-in; the returned func stops it.
+func (w *world) startStandin() func() {
+	w.standin = ztunnel.New(ztunnel.Config{SocketPath: w.cfg.ZDSSocket, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
 		MinBackoff: 10 * time.Millisecond, MaxBackoff: 100 * time.Millisecond})
+	z := w.standin
 	sctx, scancel := context.WithCancel(context.Background())
 	sdone := make(chan struct{})
-	go func() { w.standin.Run(sctx); close(sdone) }()
-	t.Cleanup(func() { scancel(); <-sdone })
-
-	w.eventually("the agent ready", func() bool { return a.Ready.State().Ready })
-	return w
+	go func() { z.Run(sctx); close(sdone) }()
+	stop := func() { scancel(); <-sdone }
+	w.t.Cleanup(stop)
+	return stop
 }
 
 type testWriter struct{ t *testing.T }
@@ -184,6 +203,26 @@ func (w *world) cniAdd(pod *corev1.Pod, sandbox *netnstest.NetNS) (*types100.Res
 	return res, err
 }
 
+// setRunning reports the pod running with ip, as the kubelet would.
+func (w *world) setRunning(pod *corev1.Pod, ip string) {
+	w.t.Helper()
+	ctx := context.Background()
+	for attempt := 0; ; attempt++ {
+		p, err := w.client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
+		if err != nil {
+			w.t.Fatal(err)
+		}
+		p.Status.PodIP, p.Status.PodIPs, p.Status.Phase = ip, []corev1.PodIP{{IP: ip}}, corev1.PodRunning
+		_, err = w.client.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{})
+		if err == nil {
+			return
+		}
+		if attempt > 10 {
+			w.t.Fatal(err)
+		}
+	}
+}
+
 func hasRules(t *testing.T, sandbox *netnstest.NetNS) bool {
 	return strings.Contains(sandbox.Exec(t, "nft", "list", "ruleset"), "table inet inpod")
 }
@@ -198,6 +237,7 @@ func (w *world) annotation(pod *corev1.Pod) string {
 
 func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
 	w := newWorld(t)
+	w.startInProcessAgent()
 	ctx := context.Background()
 
 	// An enrolled pod: rules, ztunnel's Add, and the annotation.
@@ -229,12 +269,7 @@ func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
 	// Labelling its namespace enrolls the running pod: its netns is found
 	// through procfs (a process in the pod's cgroup, in a netns holding the
 	// pod's IP).
-	plainPod.Status.PodIP = res.IPs[0].Address.IP.String()
-	plainPod.Status.PodIPs = []corev1.PodIP{{IP: plainPod.Status.PodIP}}
-	plainPod.Status.Phase = corev1.PodRunning
-	if _, err := w.client.CoreV1().Pods("plain").UpdateStatus(ctx, plainPod, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	w.setRunning(plainPod, res.IPs[0].Address.IP.String())
 	runInPodCgroup(t, plainNS, string(plainPod.UID))
 	ns, _ := w.client.CoreV1().Namespaces().Get(ctx, "plain", metav1.GetOptions{})
 	ns.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}
@@ -290,4 +325,105 @@ func runInPodCgroup(t *testing.T, sandbox *netnstest.NetNS, uid string) {
 		t.Fatal(err)
 	}
 
+}
+
+// agentProcess runs cmd/inpod-agent as its own process, so it can be killed.
+type agentProcess struct {
+	cmd    *exec.Cmd
+	health string
+}
+
+func (w *world) startAgentProcess(bin string) *agentProcess {
+	w.t.Helper()
+	health := freeAddr(w.t)
+	c := w.cfg
+	cmd := exec.Command(bin,
+		"--node-name", c.NodeName, "--kubeconfig", c.Kubeconfig,
+		"--zds-socket", c.ZDSSocket, "--cni-socket", c.CNISocket,
+		"--cni-binary", c.CNIBinarySource, "--cni-bin-dir", c.CNIBinDir, "--cni-conf-dir", c.CNIConfDir,
+		"--state-dir", c.StateDir, "--redirect-backend", c.RedirectBackend,
+		"--host-netns", c.HostNetNS,
+		"--health-addr", health, "--metrics-addr", freeAddr(w.t), "--log-level", "debug")
+	cmd.Stdout, cmd.Stderr = testWriter{w.t}, testWriter{w.t}
+	if err := cmd.Start(); err != nil {
+		w.t.Fatal(err)
+	}
+	p := &agentProcess{cmd: cmd, health: health}
+	w.t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	w.eventually("the agent process ready", func() bool {
+		resp, err := http.Get("http://" + health + "/readyz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	})
+	return p
+}
+
+func freeAddr(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+func TestIntegrationAgentKilledAndRestartedLeavesRulesAndResendsSnapshot(t *testing.T) {
+	w := newWorld(t)
+	bin := filepath.Join(t.TempDir(), "inpod-agent")
+	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/inpod-agent").CombinedOutput(); err != nil {
+		t.Fatalf("build inpod-agent: %v: %s", err, out)
+	}
+	first := w.startAgentProcess(bin)
+
+	pod, sandbox := w.pod("mesh", "long-lived")
+	res, err := w.cniAdd(pod, sandbox)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// What the kubelet would report, and a container process, so the
+	// restarted agent can find the pod again.
+	w.setRunning(pod, res.IPs[0].Address.IP.String())
+	runInPodCgroup(t, sandbox, string(pod.UID))
+	// Rule handles change whenever a rule is rewritten: equal listings
+	// (handles included) prove the rules were never touched.
+	rulesBefore := sandbox.Exec(t, "nft", "-a", "list", "ruleset")
+	connectsBefore := w.standin.Connects()
+
+	first.cmd.Process.Signal(syscall.SIGKILL)
+	first.cmd.Wait()
+	w.startAgentProcess(bin)
+
+	w.eventually("ztunnel reconnected and re-snapshotted", func() bool {
+		return w.standin.Connects() > connectsBefore && w.standin.SnapshotDone()
+	})
+	if _, ok := w.standin.Workloads()[string(pod.UID)]; !ok {
+		t.Fatal("the restarted agent's snapshot dropped the running pod")
+	}
+	if errs := w.standin.ProtocolErrors(); len(errs) > 0 {
+		t.Fatalf("protocol errors: %v", errs)
+	}
+	if after := sandbox.Exec(t, "nft", "-a", "list", "ruleset"); after != rulesBefore {
+		t.Fatalf("the restart rewrote the pod's rules:\nbefore:\n%s\nafter:\n%s", rulesBefore, after)
+	}
+
+	// A ztunnel restart (a new process: it knows nothing) gets the full
+	// snapshot, with the pod's netns.
+	w.restartStandin()
+	w.eventually("the new ztunnel's snapshot", func() bool {
+		_, ok := w.standin.Workloads()[string(pod.UID)]
+		return ok && w.standin.SnapshotDone()
+	})
+	want, _ := netns.IdentityOf(int(sandbox.Open(t).Fd()))
+	if got := w.standin.Workloads()[string(pod.UID)].NetNS; got != want {
+		t.Fatalf("new ztunnel got netns %v, want the pod's %v", got, want)
+	}
+}
+
+// restartStandin stops the current stand-in and connects a new one.
+func (w *world) restartStandin() {
+	w.stopStandin()
+	w.stopStandin = w.startStandin()
 }

@@ -168,7 +168,7 @@ func (p *Pipeline) Add(ctx context.Context, req *cnievent.Request) (cnievent.Out
 		p.report(pod, fail("NetnsUnavailable", "open the pod's netns %s: %v", req.Netns, err))
 		return cnievent.Failed, err
 	}
-	if err := p.enroll(ctx, pod, nsFile, ips); err != nil {
+	if err := p.enroll(ctx, pod, nsFile, ips, true); err != nil {
 		return cnievent.Failed, err
 	}
 	p.cfg.Observer.Enrolled("cni", time.Since(start))
@@ -176,7 +176,12 @@ func (p *Pipeline) Add(ctx context.Context, req *cnievent.Request) (cnievent.Out
 }
 
 // enroll takes ownership of nsFile: it is kept on success, closed on error.
-func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, nsFile *os.File, ips []netip.Addr) error {
+//
+// For a new sandbox (fromCNI) every failure fails the pod's start, and
+// rules this call installed are taken out again. For a running pod
+// (reconcile, restart) its rules are never removed on a ztunnel problem: the
+// pod stays in the table and reaches ztunnel through the next snapshot.
+func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, nsFile *os.File, ips []netip.Addr, fromCNI bool) error {
 	defer p.lock(pod.UID)()
 	key := types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}
 	id, err := netns.IdentityOf(int(nsFile.Fd()))
@@ -190,13 +195,20 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, nsFile *os.File,
 	if old == nil {
 		p.cfg.Annotations.Set(key, AnnotationPending)
 	}
-	if _, err := p.cfg.Rules.Apply(nsFile, p.cfg.Options); err != nil {
+	applied, err := p.cfg.Rules.Apply(nsFile, p.cfg.Options)
+	if err != nil {
 		nsFile.Close()
 		return p.report(pod, fail("RedirectionFailed", "apply redirection rules: %v", err))
 	}
+	// Only a fresh sandbox whose rules this call wrote is rolled back.
+	rollback := func() {
+		if fromCNI && applied.Changed && (old == nil || old.id != id) {
+			p.cfg.Rules.Remove(nsFile)
+		}
+	}
 	for _, ip := range ips {
 		if err := p.cfg.Probes.Add(ip); err != nil {
-			p.cfg.Rules.Remove(nsFile)
+			rollback()
 			nsFile.Close()
 			return p.report(pod, fail("ProbeExemptionFailed", "exempt kubelet probes to %s: %v", ip, err))
 		}
@@ -209,13 +221,16 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, nsFile *os.File,
 		} else if errors.Is(err, zds.ErrAckTimeout) || errors.Is(err, context.DeadlineExceeded) {
 			reason = "ZtunnelTimeout"
 		}
-		// Rules without ztunnel's listeners would black-hole the pod's
-		// traffic; take them out again (the pod does not start anyway).
-		if old == nil || old.id != id {
-			p.cfg.Rules.Remove(nsFile)
+		if fromCNI {
+			// Rules without ztunnel's listeners would black-hole the
+			// pod's traffic; the pod does not start anyway.
+			rollback()
+			nsFile.Close()
+			return p.report(pod, fail(reason, "hand the pod to ztunnel: %v", err))
 		}
-		nsFile.Close()
-		return p.report(pod, fail(reason, "hand the pod to ztunnel: %v", err))
+		if !errors.Is(err, zds.ErrNoConnection) {
+			p.report(pod, fail(reason, "hand the running pod to ztunnel (it stays enrolled and is in every snapshot): %v", err))
+		}
 	}
 	p.mu.Lock()
 	p.enrolled[pod.UID] = &entry{pod: key, netns: nsFile, id: id, ips: ips, info: info}
@@ -399,7 +414,7 @@ func (p *Pipeline) Reconcile(ctx context.Context, pod *corev1.Pod) error {
 			return p.report(pod, fail("NetnsNotFound", "find the running pod's netns: %v", err))
 		}
 		start := time.Now()
-		if err := p.enroll(ctx, pod, f, ips); err != nil {
+		if err := p.enroll(ctx, pod, f, ips, false); err != nil {
 			return err
 		}
 		p.cfg.Observer.Enrolled("reconcile", time.Since(start))

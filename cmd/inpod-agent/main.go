@@ -43,6 +43,7 @@ func run() error {
 	fs.BoolVar(&cfg.DNSCapture, "dns-capture", false, "send enrolled pods' DNS to ztunnel's DNS proxy (15053)")
 	exclude := fs.String("exclude-namespaces", "kube-system", "comma-separated namespaces never enrolled")
 	fs.StringVar(&cfg.ProcRoot, "proc-root", "/proc", "the host's procfs (to find running pods' network namespaces)")
+	fs.StringVar(&cfg.HostNetNS, "host-netns", "/proc/self/ns/net", "the node's network namespace (for the kubelet probe rules and backend detection)")
 	fs.StringVar(&cfg.HealthAddr, "health-addr", ":15021", "address of /healthz and /readyz")
 	fs.StringVar(&cfg.MetricsAddr, "metrics-addr", ":15020", "address of /metrics")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
