@@ -77,6 +77,7 @@ type Agent struct {
 	Ready    *readiness.Aggregate
 	Metrics  *observe.Metrics
 	pipeline *enroll.Pipeline
+	pods     *podCache
 }
 
 // New validates cfg.
@@ -149,6 +150,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	podInf, nsInf := newInformers(client, cfg.NodeName)
 	pods := &podCache{client: client, pods: podInf.Core().V1().Pods().Lister(),
 		namespaces: nsInf.Core().V1().Namespaces().Lister(), cacheWait: 5 * time.Second}
+	a.pods = pods
 	annotations := enroll.NewAnnotationWriter(client, a.log)
 	goRun("annotations", func() error { annotations.Run(ctx); return nil })
 
@@ -396,4 +398,15 @@ func (a *Agent) writeAPIAccess(cfg *rest.Config) error {
 		return err
 	}
 	return os.Rename(tmp, filepath.Join(a.cfg.CNIConfDir, apiAccessFile))
+}
+
+// PodCached reports whether the agent's pod watch has delivered the pod;
+// for diagnostics and tests that must know what the agent can decide
+// without the API server.
+func (a *Agent) PodCached(namespace, name string) bool {
+	if a.pods == nil {
+		return false
+	}
+	_, err := a.pods.pods.Pods(namespace).Get(name)
+	return err == nil
 }

@@ -41,6 +41,7 @@ const nodeName = "test-node"
 // both, and the ztunnel stand-in connected to it.
 type world struct {
 	t       *testing.T
+	cp      *cluster.ControlPlane
 	client  kubernetes.Interface
 	node    *netnstest.NetNS
 	nodeNS  *os.File
@@ -62,7 +63,7 @@ func newWorld(t *testing.T) *world {
 	}
 	t.Cleanup(func() { cp.Stop() })
 
-	w := &world{t: t, client: cp.Client, node: netnstest.New(t)}
+	w := &world{t: t, cp: cp, client: cp.Client, node: netnstest.New(t)}
 	w.nodeNS = w.node.Open(t)
 	dir := t.TempDir()
 	w.confDir, w.binDir = filepath.Join(dir, "net.d"), filepath.Join(dir, "bin")
@@ -426,4 +427,56 @@ func TestIntegrationAgentKilledAndRestartedLeavesRulesAndResendsSnapshot(t *test
 func (w *world) restartStandin() {
 	w.stopStandin()
 	w.stopStandin = w.startStandin()
+}
+
+func TestIntegrationAgentRidesOutAnAPIServerOutage(t *testing.T) {
+	w := newWorld(t)
+	w.startInProcessAgent()
+	ctx := context.Background()
+
+	before, beforeNS := w.pod("mesh", "before")
+	if _, err := w.cniAdd(before, beforeNS); err != nil {
+		t.Fatal(err)
+	}
+	w.eventually("the first pod's annotation", func() bool { return w.annotation(before) == enroll.AnnotationEnabled })
+	rulesBefore := beforeNS.Exec(t, "nft", "-a", "list", "ruleset")
+	during, duringNS := w.pod("mesh", "during")
+	w.eventually("the pod in the agent's cache", func() bool { return w.agent.PodCached("mesh", "during") })
+
+	w.cp.StopAPIServer()
+	// A pod the agent knows enrolls without the API server.
+	if _, err := w.cniAdd(during, duringNS); err != nil {
+		t.Fatalf("ADD of a cached pod during the outage: %v", err)
+	}
+	if !hasRules(t, duringNS) {
+		t.Fatal("no rules for the pod enrolled during the outage")
+	}
+	// A pod the agent has never seen cannot be decided: it fails closed.
+	ghost := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "ghost", UID: "0f0f0f0f-0000-4000-8000-000000000000"}}
+	ghostNS := netnstest.New(t)
+	if _, err := w.cniAdd(ghost, ghostNS); err == nil {
+		t.Fatal("ADD of a pod unknown to the agent succeeded while the API server was down")
+	}
+	if hasRules(t, ghostNS) {
+		t.Fatal("the undecidable pod got rules")
+	}
+	// Nothing already enrolled was touched.
+	if after := beforeNS.Exec(t, "nft", "-a", "list", "ruleset"); after != rulesBefore {
+		t.Fatal("the outage disturbed an enrolled pod's rules")
+	}
+	if _, ok := w.standin.Workloads()[string(before.UID)]; !ok {
+		t.Fatal("the outage removed an enrolled pod from ztunnel")
+	}
+
+	if err := w.cp.StartAPIServer(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The agent catches up: the annotation written late, new pods enroll.
+	w.eventually("the outage pod's annotation after the API returned", func() bool {
+		return w.annotation(during) == enroll.AnnotationEnabled
+	})
+	after, afterNS := w.pod("mesh", "after")
+	if _, err := w.cniAdd(after, afterNS); err != nil {
+		t.Fatalf("ADD after the outage: %v", err)
+	}
 }

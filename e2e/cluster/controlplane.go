@@ -73,6 +73,7 @@ type ControlPlane struct {
 	apiPort int
 	// apiserverArgs are added to kube-apiserver's command line.
 	apiserverArgs []string
+	apiArgs       []string
 	Kubeconfig    string // admin kubeconfig
 	Rest          *rest.Config
 	Client        kubernetes.Interface
@@ -147,7 +148,7 @@ func (cp *ControlPlane) start(ctx context.Context) error {
 
 	cp.apiPort = ports[2]
 	p := cp.pki.path
-	api, err := startProcess(root, "kube-apiserver", filepath.Join(cp.cfg.BinDir, "kube-apiserver"), append([]string{
+	cp.apiArgs = append([]string{
 		"--etcd-servers", etcdURL,
 		"--bind-address", "127.0.0.1",
 		"--secure-port", strconv.Itoa(cp.apiPort),
@@ -165,11 +166,10 @@ func (cp *ControlPlane) start(ctx context.Context) error {
 		"--authorization-mode", "Node,RBAC",
 		"--allow-privileged=true",
 		"--enable-priority-and-fairness=false",
-	}, cp.apiserverArgs...), nil)
-	if err != nil {
+	}, cp.apiserverArgs...)
+	if err := cp.startAPIServer(); err != nil {
 		return err
 	}
-	cp.procs = append(cp.procs, api)
 
 	cp.Kubeconfig = filepath.Join(root, "admin.kubeconfig")
 	if err := cp.writeKubeconfig(cp.Kubeconfig, "admin"); err != nil {
@@ -181,6 +181,40 @@ func (cp *ControlPlane) start(ctx context.Context) error {
 	if cp.Client, err = kubernetes.NewForConfig(cp.Rest); err != nil {
 		return err
 	}
+	return cp.waitAPIServer(ctx)
+}
+
+func (cp *ControlPlane) startAPIServer() error {
+	api, err := startProcess(cp.cfg.Root, "kube-apiserver", filepath.Join(cp.cfg.BinDir, "kube-apiserver"), cp.apiArgs, nil)
+	if err != nil {
+		return err
+	}
+	cp.procs = append(cp.procs, api)
+	return nil
+}
+
+// StopAPIServer stops only kube-apiserver (etcd and the rest keep running),
+// to test behaviour through an API outage.
+func (cp *ControlPlane) StopAPIServer() {
+	for i, p := range cp.procs {
+		if p.name == "kube-apiserver" {
+			p.stop(10 * time.Second)
+			cp.procs = append(cp.procs[:i], cp.procs[i+1:]...)
+			return
+		}
+	}
+}
+
+// StartAPIServer starts kube-apiserver again on the same port and waits
+// until it is ready.
+func (cp *ControlPlane) StartAPIServer(ctx context.Context) error {
+	if err := cp.startAPIServer(); err != nil {
+		return err
+	}
+	return cp.waitAPIServer(ctx)
+}
+
+func (cp *ControlPlane) waitAPIServer(ctx context.Context) error {
 	return poll(60*time.Second, "kube-apiserver /readyz", func() (bool, error) {
 		for _, pr := range cp.procs {
 			if err := pr.running(); err != nil {
