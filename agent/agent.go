@@ -32,6 +32,7 @@ import (
 	"github.com/inpod-dev/inpod/agent/podnetns"
 	"github.com/inpod-dev/inpod/agent/readiness"
 	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/zds"
 )
@@ -68,6 +69,13 @@ type Config struct {
 	// Ready, when set, is used instead of a new aggregate, so the gates can
 	// follow the same signal.
 	Ready *readiness.Aggregate
+
+	// Gate is how scheduling follows readiness: "deviceplugin" (default) or
+	// "none".
+	Gate string
+	// DevicePlugin configures the device-plugin gate; its Ready, Observer
+	// and Logger are filled in by the agent.
+	DevicePlugin deviceplugin.Config
 }
 
 // Agent is a running node agent.
@@ -258,6 +266,19 @@ func (a *Agent) Run(ctx context.Context) error {
 			}
 		}
 	})
+	switch cfg.Gate {
+	case "", "deviceplugin":
+		dpCfg := cfg.DevicePlugin
+		dpCfg.Ready, dpCfg.Observer, dpCfg.Logger = a.Ready, a.Metrics, a.log
+		dp, err := deviceplugin.New(dpCfg)
+		if err != nil {
+			return err
+		}
+		goRun("device plugin", func() error { return dp.Run(ctx) })
+	case "none":
+	default:
+		return fmt.Errorf("agent: unknown gate %q (want deviceplugin or none)", cfg.Gate)
+	}
 	goRun("observability", func() error { return observe.Serve(ctx, a.log, cfg.HealthAddr, cfg.MetricsAddr, a.Metrics, a.Ready) })
 
 	select {

@@ -28,6 +28,8 @@ import (
 
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/deviceplugin"
+	"github.com/inpod-dev/inpod/deviceplugin/kubelettest"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/ztunnel"
 	"github.com/inpod-dev/inpod/netns"
@@ -52,6 +54,7 @@ type world struct {
 	cfg     agent.Config
 	// stopStandin stops the current stand-in.
 	stopStandin func()
+	kubelet     *kubelettest.Kubelet
 }
 
 func newWorld(t *testing.T) *world {
@@ -99,14 +102,27 @@ func newWorld(t *testing.T) *world {
 		}
 	}
 
+	// Unix socket paths are limited to 108 bytes; test names are long.
+	sockDir, err := os.MkdirTemp("", "inpod-it-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(sockDir) })
 	w.cfg = agent.Config{
 		NodeName: nodeName, Kubeconfig: cp.Kubeconfig,
-		ZDSSocket: filepath.Join(dir, "zt", "ztunnel.sock"), CNISocket: filepath.Join(dir, "inpod", "cni.sock"),
+		ZDSSocket: filepath.Join(sockDir, "zt", "ztunnel.sock"), CNISocket: filepath.Join(sockDir, "inpod", "cni.sock"),
 		CNIBinarySource: pluginBin, CNIBinDir: w.binDir, CNIConfDir: w.confDir, InstallCNI: true,
 		StateDir: filepath.Join(dir, "state"), RedirectBackend: "nftables",
 		ExcludedNamespaces: []string{"kube-system"}, HostNetNS: w.node.Path,
 		HealthAddr: "127.0.0.1:0", MetricsAddr: "127.0.0.1:0",
+		DevicePlugin: deviceplugin.Config{PluginDir: filepath.Join(sockDir, "device-plugins"), Devices: 4},
 	}
+	kubelet, err := kubelettest.Start(w.cfg.DevicePlugin.PluginDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(kubelet.Stop)
+	w.kubelet = kubelet
 	w.stopStandin = w.startStandin()
 	return w
 }
@@ -294,6 +310,14 @@ func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
 		return !ok && !hasRules(t, plainNS) && w.annotation(plainPod) == ""
 	})
 
+	// The scheduling gate follows readiness: ztunnel gone → Unhealthy.
+	res4 := deviceplugin.DefaultResourceName
+	w.eventually("the gate open", func() bool { return w.kubelet.Allocatable(res4) == 4 })
+	w.stopStandin()
+	w.eventually("the gate closed without ztunnel", func() bool { return w.kubelet.Allocatable(res4) == 0 && w.kubelet.Capacity(res4) == 4 })
+	w.stopStandin = w.startStandin()
+	w.eventually("the gate open again", func() bool { return w.kubelet.Allocatable(res4) == 4 })
+
 	// Deleting the enrolled pod removes everything.
 	if err := w.client.CoreV1().Pods("mesh").Delete(ctx, "a", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
@@ -343,7 +367,7 @@ func (w *world) startAgentProcess(bin string) *agentProcess {
 		"--zds-socket", c.ZDSSocket, "--cni-socket", c.CNISocket,
 		"--cni-binary", c.CNIBinarySource, "--cni-bin-dir", c.CNIBinDir, "--cni-conf-dir", c.CNIConfDir,
 		"--state-dir", c.StateDir, "--redirect-backend", c.RedirectBackend,
-		"--host-netns", c.HostNetNS,
+		"--host-netns", c.HostNetNS, "--device-plugin-dir", c.DevicePlugin.PluginDir, "--devices", "4",
 		"--health-addr", health, "--metrics-addr", freeAddr(w.t), "--log-level", "debug")
 	cmd.Stdout, cmd.Stderr = testWriter{w.t}, testWriter{w.t}
 	if err := cmd.Start(); err != nil {

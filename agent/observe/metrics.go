@@ -21,15 +21,17 @@ import (
 
 // Metrics are the agent's Prometheus series.
 type Metrics struct {
-	Registry         *prometheus.Registry
-	enrollments      *prometheus.CounterVec
-	failures         *prometheus.CounterVec
-	removals         prometheus.Counter
-	latency          *prometheus.HistogramVec
-	ztunnelConns     prometheus.Gauge
-	ready            prometheus.Gauge
-	readyTransitions prometheus.Counter
-	cniRepairs       prometheus.Counter
+	Registry          *prometheus.Registry
+	enrollments       *prometheus.CounterVec
+	failures          *prometheus.CounterVec
+	removals          prometheus.Counter
+	latency           *prometheus.HistogramVec
+	ztunnelConns      prometheus.Gauge
+	ready             prometheus.Gauge
+	readyTransitions  prometheus.Counter
+	cniRepairs        prometheus.Counter
+	gateRegistrations *prometheus.CounterVec
+	gateHealthFlips   *prometheus.CounterVec
 
 	mu        sync.Mutex
 	published bool
@@ -58,8 +60,12 @@ func NewMetrics() *Metrics {
 			Help: "Changes of inpod_node_ready."}),
 		cniRepairs: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_cni_repairs_total",
 			Help: "Times the CNI configuration or binary had to be put back."}),
+		gateRegistrations: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_deviceplugin_registrations_total",
+			Help: "Registrations with the kubelet (kind: first, again)."}, []string{"kind"}),
+		gateHealthFlips: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_deviceplugin_health_changes_total",
+			Help: "Changes of the advertised devices' health."}, []string{"to"}),
 	}
-	r.MustRegister(m.enrollments, m.failures, m.removals, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
+	r.MustRegister(m.gateRegistrations, m.gateHealthFlips, m.enrollments, m.failures, m.removals, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -78,6 +84,24 @@ func (m *Metrics) Removed() { m.removals.Inc() }
 
 // ZtunnelConnections sets the connection gauge.
 func (m *Metrics) ZtunnelConnections(n int) { m.ztunnelConns.Set(float64(n)) }
+
+// Registered implements deviceplugin.Observer.
+func (m *Metrics) Registered(again bool) {
+	kind := "first"
+	if again {
+		kind = "again"
+	}
+	m.gateRegistrations.WithLabelValues(kind).Inc()
+}
+
+// HealthChanged implements deviceplugin.Observer.
+func (m *Metrics) HealthChanged(healthy bool) {
+	to := "Unhealthy"
+	if healthy {
+		to = "Healthy"
+	}
+	m.gateHealthFlips.WithLabelValues(to).Inc()
+}
 
 // CNIRepaired counts a repair.
 func (m *Metrics) CNIRepaired() { m.cniRepairs.Inc() }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/internal/envflag"
 	"github.com/inpod-dev/inpod/zds"
 )
@@ -46,6 +47,10 @@ func run() error {
 	fs.StringVar(&cfg.HostNetNS, "host-netns", "/proc/self/ns/net", "the node's network namespace (for the kubelet probe rules and backend detection)")
 	fs.StringVar(&cfg.HealthAddr, "health-addr", ":15021", "address of /healthz and /readyz")
 	fs.StringVar(&cfg.MetricsAddr, "metrics-addr", ":15020", "address of /metrics")
+	fs.StringVar(&cfg.Gate, "gate", "deviceplugin", "how scheduling follows readiness: deviceplugin or none")
+	fs.StringVar(&cfg.DevicePlugin.PluginDir, "device-plugin-dir", deviceplugin.DefaultPluginDir, "the kubelet's device plugin directory")
+	fs.StringVar(&cfg.DevicePlugin.ResourceName, "resource-name", deviceplugin.DefaultResourceName, "the extended resource pods request")
+	fs.IntVar(&cfg.DevicePlugin.Devices, "devices", deviceplugin.DefaultDevices, "devices to advertise (at least the node's pod capacity)")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	err := envflag.Parse(fs, "inpod-agent: the inpod node agent (run as a DaemonSet with hostNetwork)", os.Args[1:])
 	if err == flag.ErrHelp {

@@ -1,0 +1,395 @@
+// Package deviceplugin is the scheduling gate in device-plugin mode: a
+// kubelet device plugin (API v1beta1) that advertises the extended resource
+// inpod.dev/redirection, with every device Healthy only while the node is
+// ready for redirection and Unhealthy otherwise. Pods that need redirection
+// request the resource, so the scheduler cannot place them on a node that
+// is not ready.
+//
+// It serves its socket before registering (the kubelet dials back at once),
+// never exits to signal "not ready" (an unregistered resource lingers for
+// minutes), and re-registers when the kubelet restarts (which deletes every
+// plugin socket and recreates kubelet.sock) or its own socket disappears.
+package deviceplugin
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
+
+	"github.com/inpod-dev/inpod/agent/readiness"
+)
+
+// Defaults of the design.
+const (
+	DefaultResourceName = "inpod.dev/redirection"
+	DefaultPluginDir    = "/var/lib/kubelet/device-plugins"
+	// DefaultDevices covers the kubelet's default maxPods.
+	DefaultDevices = 110
+	// GatedEnv and GatedAnnotation tell a container its start was gated.
+	GatedEnv        = "INPOD_REDIRECTION_GATED"
+	GatedAnnotation = "inpod.dev/redirection-gated"
+)
+
+// Readiness is what the plugin follows (readiness.Aggregate).
+type Readiness interface {
+	Subscribe() (<-chan readiness.State, func())
+	State() readiness.State
+}
+
+// Observer counts what the plugin does, for metrics.
+type Observer interface {
+	Registered(reregistration bool)
+	HealthChanged(healthy bool)
+}
+
+// Config configures the plugin.
+type Config struct {
+	ResourceName string
+	Devices      int
+	// PluginDir holds kubelet.sock and the plugin's own socket.
+	PluginDir string
+	// SocketName is unique per agent instance, so a rolling update with
+	// surge never has two instances on one socket (default:
+	// inpod-<random>.sock).
+	SocketName string
+	Ready      Readiness
+	Observer   Observer
+	Logger     *slog.Logger
+}
+
+// Plugin is the device plugin.
+type Plugin struct {
+	pluginapi.UnimplementedDevicePluginServer
+	cfg Config
+	log *slog.Logger
+
+	mu      sync.Mutex
+	healthy bool
+	watch   []chan []*pluginapi.Device
+}
+
+// New validates cfg.
+func New(cfg Config) (*Plugin, error) {
+	if cfg.ResourceName == "" {
+		cfg.ResourceName = DefaultResourceName
+	}
+	if err := validResourceName(cfg.ResourceName); err != nil {
+		return nil, err
+	}
+	if cfg.Devices <= 0 {
+		cfg.Devices = DefaultDevices
+	}
+	if cfg.PluginDir == "" {
+		cfg.PluginDir = DefaultPluginDir
+	}
+	if cfg.SocketName == "" {
+		var b [4]byte
+		rand.Read(b[:])
+		cfg.SocketName = "inpod-" + hex.EncodeToString(b[:]) + ".sock"
+	}
+	if strings.Contains(cfg.SocketName, "/") {
+		return nil, fmt.Errorf("deviceplugin: socket name %q must be a file name in the plugin dir", cfg.SocketName)
+	}
+	if cfg.Ready == nil {
+		return nil, errors.New("deviceplugin: Config.Ready is required")
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Plugin{cfg: cfg, log: log.With("component", "deviceplugin", "resource", cfg.ResourceName)}, nil
+}
+
+// validResourceName applies the kubelet's rule: an extended resource is
+// "<domain>/<name>" outside the kubernetes.io domains.
+func validResourceName(name string) error {
+	domain, rest, ok := strings.Cut(name, "/")
+	if !ok || domain == "" || rest == "" || strings.Contains(rest, "/") {
+		return fmt.Errorf("deviceplugin: resource name %q is not <domain>/<name>", name)
+	}
+	if domain == "kubernetes.io" || strings.HasSuffix(domain, ".kubernetes.io") {
+		return fmt.Errorf("deviceplugin: resource name %q uses a reserved kubernetes.io domain", name)
+	}
+	return nil
+}
+
+// SocketPath is the plugin's socket.
+func (p *Plugin) SocketPath() string { return filepath.Join(p.cfg.PluginDir, p.cfg.SocketName) }
+
+func (p *Plugin) kubeletSocket() string { return filepath.Join(p.cfg.PluginDir, "kubelet.sock") }
+
+// Run serves and registers until ctx ends, following readiness and
+// re-registering after kubelet restarts.
+func (p *Plugin) Run(ctx context.Context) error {
+	states, cancel := p.cfg.Ready.Subscribe()
+	defer cancel()
+	go p.followReadiness(ctx, states)
+
+	if err := os.MkdirAll(p.cfg.PluginDir, 0o755); err != nil {
+		return fmt.Errorf("deviceplugin: %w", err)
+	}
+	w, err := fsnotify.NewWatcher()
+	if err != nil {
+		return fmt.Errorf("deviceplugin: %w", err)
+	}
+	defer w.Close()
+	if err := w.Add(p.cfg.PluginDir); err != nil {
+		return fmt.Errorf("deviceplugin: watch %s: %w", p.cfg.PluginDir, err)
+	}
+
+	registrations := 0
+	for {
+		srv, err := p.serve()
+		if err != nil {
+			return err
+		}
+		registered := p.register(ctx, w, registrations > 0)
+		if registered {
+			registrations++
+		}
+		// Serve until our socket goes or the kubelet comes back (a new
+		// kubelet.sock), then start over.
+		reason := p.waitForRestart(ctx, w, registered, inode(p.kubeletSocket()))
+		srv.Stop()
+		os.Remove(p.SocketPath())
+		if ctx.Err() != nil {
+			return nil
+		}
+		p.log.Info("re-registering with the kubelet", "because", reason)
+	}
+}
+
+// serve starts the gRPC server on a fresh socket.
+func (p *Plugin) serve() (*grpc.Server, error) {
+	path := p.SocketPath()
+	os.Remove(path)
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("deviceplugin: listen on %s: %w", path, err)
+	}
+	srv := grpc.NewServer()
+	pluginapi.RegisterDevicePluginServer(srv, p)
+	go srv.Serve(ln)
+	return srv, nil
+}
+
+// register calls the kubelet; when it is absent, it waits for kubelet.sock.
+func (p *Plugin) register(ctx context.Context, w *fsnotify.Watcher, again bool) bool {
+	backoff := 100 * time.Millisecond
+	for {
+		if _, err := os.Stat(p.kubeletSocket()); err == nil {
+			err := p.registerOnce(ctx)
+			if err == nil {
+				p.log.Info("registered with the kubelet", "socket", p.cfg.SocketName, "devices", p.cfg.Devices, "reregistration", again)
+				if p.cfg.Observer != nil {
+					p.cfg.Observer.Registered(again)
+				}
+				return true
+			}
+			p.log.Warn("registration failed; retrying", "err", err, "in", backoff)
+		} else {
+			p.log.Info("waiting for the kubelet", "socket", p.kubeletSocket())
+		}
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(backoff):
+		case ev := <-w.Events:
+			if filepath.Base(ev.Name) == "kubelet.sock" && ev.Has(fsnotify.Create) {
+				backoff = 100 * time.Millisecond
+				continue
+			}
+		}
+		backoff = min(2*backoff, 5*time.Second)
+	}
+}
+
+func (p *Plugin) registerOnce(ctx context.Context) error {
+	conn, err := grpc.NewClient("unix://"+p.kubeletSocket(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	_, err = pluginapi.NewRegistrationClient(conn).Register(rctx, &pluginapi.RegisterRequest{
+		Version:      pluginapi.Version,
+		Endpoint:     p.cfg.SocketName,
+		ResourceName: p.cfg.ResourceName,
+		Options:      p.options(),
+	})
+	return err
+}
+
+// waitForRestart returns why the plugin must serve and register again.
+// Events are checked against the files as they are now: the plugin's own
+// earlier remove-and-recreate of its socket, and the kubelet.sock it
+// registered with, must not count as restarts.
+func (p *Plugin) waitForRestart(ctx context.Context, w *fsnotify.Watcher, registered bool, kubeletInode uint64) string {
+	if !registered {
+		return "shutting down"
+	}
+	// A cheap periodic check catches a missed event.
+	tick := time.NewTicker(5 * time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return "shutting down"
+		case ev := <-w.Events:
+			name := filepath.Base(ev.Name)
+			switch {
+			case name == "kubelet.sock" && ev.Has(fsnotify.Create):
+				if now := inode(p.kubeletSocket()); now != 0 && now != kubeletInode {
+					return "the kubelet restarted (kubelet.sock recreated)"
+				}
+			case name == p.cfg.SocketName && (ev.Has(fsnotify.Remove) || ev.Has(fsnotify.Rename)):
+				if _, err := os.Stat(p.SocketPath()); err != nil {
+					return "our socket was removed"
+				}
+			}
+		case err := <-w.Errors:
+			p.log.Warn("watch error", "err", err)
+		case <-tick.C:
+			if _, err := os.Stat(p.SocketPath()); err != nil {
+				return "our socket is gone"
+			}
+		}
+	}
+}
+
+func (p *Plugin) options() *pluginapi.DevicePluginOptions {
+	return &pluginapi.DevicePluginOptions{PreStartRequired: false, GetPreferredAllocationAvailable: false}
+}
+
+func (p *Plugin) followReadiness(ctx context.Context, states <-chan readiness.State) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case st := <-states:
+			p.setHealthy(st.Ready, st.Failing)
+		}
+	}
+}
+
+func (p *Plugin) setHealthy(healthy bool, failing []string) {
+	p.mu.Lock()
+	changed := healthy != p.healthy
+	p.healthy = healthy
+	devs := p.devicesLocked()
+	for _, ch := range p.watch {
+		select {
+		case <-ch:
+		default:
+		}
+		ch <- devs
+	}
+	p.mu.Unlock()
+	if changed {
+		if healthy {
+			p.log.Info("devices Healthy: the node is ready for redirection")
+		} else {
+			p.log.Warn("devices Unhealthy: the node is not ready for redirection", "failing", failing)
+		}
+		if p.cfg.Observer != nil {
+			p.cfg.Observer.HealthChanged(healthy)
+		}
+	}
+}
+
+func (p *Plugin) devicesLocked() []*pluginapi.Device {
+	health := pluginapi.Unhealthy
+	if p.healthy {
+		health = pluginapi.Healthy
+	}
+	devs := make([]*pluginapi.Device, p.cfg.Devices)
+	for i := range devs {
+		devs[i] = &pluginapi.Device{ID: fmt.Sprintf("redirection-%d", i), Health: health}
+	}
+	return devs
+}
+
+// GetDevicePluginOptions implements the kubelet API.
+func (p *Plugin) GetDevicePluginOptions(context.Context, *pluginapi.Empty) (*pluginapi.DevicePluginOptions, error) {
+	return p.options(), nil
+}
+
+// ListAndWatch sends the devices now and after every health change.
+func (p *Plugin) ListAndWatch(_ *pluginapi.Empty, stream grpc.ServerStreamingServer[pluginapi.ListAndWatchResponse]) error {
+	ch := make(chan []*pluginapi.Device, 1)
+	p.mu.Lock()
+	ch <- p.devicesLocked()
+	p.watch = append(p.watch, ch)
+	p.mu.Unlock()
+	defer func() {
+		p.mu.Lock()
+		for i, c := range p.watch {
+			if c == ch {
+				p.watch = append(p.watch[:i], p.watch[i+1:]...)
+				break
+			}
+		}
+		p.mu.Unlock()
+	}()
+	for {
+		select {
+		case <-stream.Context().Done():
+			return nil
+		case devs := <-ch:
+			if err := stream.Send(&pluginapi.ListAndWatchResponse{Devices: devs}); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// Allocate grants devices while the node is ready; the container learns its
+// start was gated.
+func (p *Plugin) Allocate(_ context.Context, req *pluginapi.AllocateRequest) (*pluginapi.AllocateResponse, error) {
+	p.mu.Lock()
+	healthy := p.healthy
+	p.mu.Unlock()
+	if !healthy {
+		return nil, errors.New("the node is not ready for redirection; refusing to allocate " + p.cfg.ResourceName)
+	}
+	resp := &pluginapi.AllocateResponse{}
+	for range req.ContainerRequests {
+		resp.ContainerResponses = append(resp.ContainerResponses, &pluginapi.ContainerAllocateResponse{
+			Envs:        map[string]string{GatedEnv: "true"},
+			Annotations: map[string]string{GatedAnnotation: "true"},
+		})
+	}
+	return resp, nil
+}
+
+// PreStartContainer is not required (PreStartRequired is false).
+func (p *Plugin) PreStartContainer(context.Context, *pluginapi.PreStartContainerRequest) (*pluginapi.PreStartContainerResponse, error) {
+	return &pluginapi.PreStartContainerResponse{}, nil
+}
+
+func inode(path string) uint64 {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return 0
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		return st.Ino
+	}
+	return 0
+}

@@ -1,0 +1,163 @@
+package deviceplugin_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/inpod-dev/inpod/agent/readiness"
+	"github.com/inpod-dev/inpod/deviceplugin"
+	"github.com/inpod-dev/inpod/deviceplugin/kubelettest"
+)
+
+const res = deviceplugin.DefaultResourceName
+
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func startKubelet(t *testing.T, dir string) *kubelettest.Kubelet {
+	t.Helper()
+	k, err := kubelettest.Start(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(k.Stop)
+	return k
+}
+
+func startPlugin(t *testing.T, dir string, ready *readiness.Aggregate, mod func(*deviceplugin.Config)) *deviceplugin.Plugin {
+	t.Helper()
+	cfg := deviceplugin.Config{PluginDir: dir, Devices: 8, Ready: ready}
+	if mod != nil {
+		mod(&cfg)
+	}
+	p, err := deviceplugin.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	return p
+}
+
+func newReady() *readiness.Aggregate { return readiness.New(nil, "test") }
+
+func TestAllocatableFollowsReadiness(t *testing.T) {
+	dir := t.TempDir()
+	k := startKubelet(t, dir)
+	ready := newReady()
+	startPlugin(t, dir, ready, nil)
+	eventually(t, "registration with 8 devices", func() bool { return k.Capacity(res) == 8 })
+	if got := k.Allocatable(res); got != 0 {
+		t.Fatalf("allocatable %d while not ready, want 0", got)
+	}
+	ready.Set("test", true, "")
+	eventually(t, "allocatable 8 once ready", func() bool { return k.Allocatable(res) == 8 })
+	ready.Set("test", false, "ztunnel went away")
+	eventually(t, "allocatable 0 once not ready", func() bool { return k.Allocatable(res) == 0 })
+	if k.Capacity(res) != 8 {
+		t.Fatal("the plugin withdrew its devices instead of marking them Unhealthy")
+	}
+	if k.Registrations() != 1 {
+		t.Fatalf("%d registrations, want 1: readiness must not cause re-registration", k.Registrations())
+	}
+}
+
+func TestPluginStartedBeforeTheKubelet(t *testing.T) {
+	dir := t.TempDir()
+	ready := newReady()
+	ready.Set("test", true, "")
+	startPlugin(t, dir, ready, nil)
+	k := startKubelet(t, dir)
+	eventually(t, "registration once the kubelet appears", func() bool { return k.Allocatable(res) == 8 })
+}
+
+func TestKubeletRestartAndSocketRemovalReRegister(t *testing.T) {
+	dir := t.TempDir()
+	k := startKubelet(t, dir)
+	ready := newReady()
+	ready.Set("test", true, "")
+	p := startPlugin(t, dir, ready, nil)
+	eventually(t, "first registration", func() bool { return k.Allocatable(res) == 8 })
+
+	if err := k.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "re-registration after a kubelet restart", func() bool { return k.Registrations() == 2 && k.Allocatable(res) == 8 })
+
+	if err := os.Remove(p.SocketPath()); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "re-registration after the socket was removed", func() bool {
+		_, err := os.Stat(p.SocketPath())
+		return k.Registrations() == 3 && k.Allocatable(res) == 8 && err == nil
+	})
+}
+
+func TestTwoInstancesUseTheirOwnSockets(t *testing.T) {
+	dir := t.TempDir()
+	k := startKubelet(t, dir)
+	ready := newReady()
+	ready.Set("test", true, "")
+	old := startPlugin(t, dir, ready, nil)
+	eventually(t, "old registered", func() bool { return k.Endpoint(res) == filepath.Base(old.SocketPath()) })
+	// A surge rollout starts the new agent while the old one still runs.
+	newer := startPlugin(t, dir, ready, nil)
+	if old.SocketPath() == newer.SocketPath() {
+		t.Fatal("two instances share a socket name")
+	}
+	eventually(t, "the newer instance serving the resource", func() bool {
+		return k.Endpoint(res) == filepath.Base(newer.SocketPath()) && k.Allocatable(res) == 8
+	})
+	if _, err := os.Stat(old.SocketPath()); err != nil {
+		t.Fatalf("the old instance's socket was disturbed: %v", err)
+	}
+}
+
+func TestAllocateOnlyWhileReady(t *testing.T) {
+	dir := t.TempDir()
+	k := startKubelet(t, dir)
+	ready := newReady()
+	startPlugin(t, dir, ready, nil)
+	eventually(t, "registration", func() bool { return k.Capacity(res) == 8 })
+	ctx := context.Background()
+	if _, err := k.Allocate(ctx, res, 1); err == nil || !strings.Contains(err.Error(), "not ready") {
+		t.Fatalf("Allocate while not ready = %v", err)
+	}
+	ready.Set("test", true, "")
+	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
+	resp, err := k.Allocate(ctx, res, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := resp.ContainerResponses[0]
+	if c.Envs[deviceplugin.GatedEnv] != "true" || c.Annotations[deviceplugin.GatedAnnotation] != "true" {
+		t.Fatalf("allocation %+v lacks the gated marker", c)
+	}
+}
+
+func TestResourceNameRules(t *testing.T) {
+	for _, bad := range []string{"redirection", "kubernetes.io/redirection", "x.kubernetes.io/y", "a/b/c", "/x"} {
+		if _, err := deviceplugin.New(deviceplugin.Config{ResourceName: bad, Ready: newReady()}); err == nil {
+			t.Errorf("resource name %q accepted", bad)
+		}
+	}
+}
