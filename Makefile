@@ -42,7 +42,8 @@ lint: deps
 # real netfilter rules (each test cleans up after itself). Integration tests
 # (TestIntegration*, build tag integration) run against a real etcd and
 # kube-apiserver; end-to-end tests (TestE2E*, tag e2e) against a real
-# single node. Both get their binaries from k8s-bins (cold: ~17 min).
+# single node, one package at a time (they share the host's kubelet paths).
+# Both get their binaries from k8s-bins (cold: ~17 min).
 test: deps lint check-generated test-integration test-e2e test-unit
 
 test-unit: deps
@@ -57,7 +58,7 @@ test-integration: deps
 	$(K8S_ENV) $(GO) test -race -count=1 -tags integration -run '^TestIntegration' $(call tagged_pkgs,integration)
 
 test-e2e: deps
-	$(K8S_ENV) $(GO) test -count=1 -timeout 30m -tags e2e -run '^TestE2E' $(call tagged_pkgs,e2e)
+	$(K8S_ENV) $(GO) test -p 1 -count=1 -timeout 30m -tags e2e -run '^TestE2E' $(call tagged_pkgs,e2e)
 
 # Benchmarks print medians, p99s and ratios against baselines measured in
 # the same run.

@@ -71,6 +71,8 @@ type Installer struct {
 	reason    string
 	reported  bool
 	repairs   []time.Time
+	// everInstalled tells a repair from the first install in the logs.
+	everInstalled bool
 }
 
 // New reads the binary to install and validates cfg.
@@ -345,7 +347,9 @@ func (i *Installer) reconcile() time.Duration {
 		}
 		return 0
 	}
-	i.log.Warn("repaired the CNI configuration", "file", st.Conflist, "was", i.reasonText())
+	if i.everInstalled {
+		i.log.Warn("repaired the CNI installation", "file", st.Conflist, "was", i.reasonText())
+	}
 	i.report(st.Installed, st.Reason)
 	return 0
 }
@@ -376,6 +380,9 @@ func (i *Installer) repairBudget() time.Duration {
 
 func (i *Installer) report(installed bool, reason string) {
 	i.mu.Lock()
+	if installed {
+		i.everInstalled = true
+	}
 	changed := !i.reported || installed != i.installed
 	i.installed, i.reason, i.reported = installed, reason, true
 	i.mu.Unlock()

@@ -53,6 +53,11 @@ type Node struct {
 	KubeletDir  string
 	Containerd  string // containerd's socket
 	netnsBefore map[string]bool
+	// createdKubeletDir: /var/lib/kubelet did not exist before this node.
+	createdKubeletDir bool
+	// tablesBefore are the host's nf_tables tables before the node started;
+	// the kubelet adds its own (KUBE-FIREWALL, canaries), removed at Stop.
+	tablesBefore map[string]bool
 }
 
 // StartNode brings up a full node and waits until it is Ready with its
@@ -89,6 +94,10 @@ func StartNode(ctx context.Context, cfg NodeConfig) (*Node, error) {
 		Containerd:   filepath.Join(cfg.Root, "containerd", "containerd.sock"),
 		netnsBefore:  listNetns(),
 	}
+	if _, err := os.Stat("/var/lib/kubelet"); os.IsNotExist(err) {
+		n.createdKubeletDir = true
+	}
+	n.tablesBefore = hostTables()
 	if err := n.start(ctx); err != nil {
 		n.Stop()
 		return nil, err
@@ -369,8 +378,27 @@ serializeImagePulls: false
 	return nil
 }
 
+// hostDevicePluginDir is fixed in the kubelet, whatever its --root-dir.
+const hostDevicePluginDir = "/var/lib/kubelet/device-plugins"
+
 // DevicePluginDir is where the kubelet expects device plugin sockets.
-func (n *Node) DevicePluginDir() string { return filepath.Join(n.KubeletDir, "device-plugins") }
+func (n *Node) DevicePluginDir() string { return hostDevicePluginDir }
+
+// cleanDevicePluginDir removes what this node's kubelet and plugins left in
+// the fixed device-plugin dir (the whole /var/lib/kubelet when the node
+// created it).
+func (n *Node) cleanDevicePluginDir() {
+	if n.createdKubeletDir {
+		os.RemoveAll("/var/lib/kubelet")
+		return
+	}
+	entries, _ := os.ReadDir(hostDevicePluginDir)
+	for _, e := range entries {
+		if e.Type()&os.ModeSocket != 0 {
+			os.Remove(filepath.Join(hostDevicePluginDir, e.Name()))
+		}
+	}
+}
 
 // Stop deletes every pod (so the runtime tears down their sandboxes and
 // the CNI releases their addresses), stops all processes, and removes every
@@ -396,6 +424,12 @@ func (n *Node) Stop() error {
 		}
 	}
 	removeNodeNetworking(n.cfg.Root)
+	n.cleanDevicePluginDir()
+	for t := range hostTables() {
+		if !n.tablesBefore[t] {
+			exec.Command("nft", append([]string{"delete", "table"}, strings.Fields(t)...)...).Run()
+		}
+	}
 	if err := os.RemoveAll(n.cfg.Root); err != nil {
 		errs = append(errs, err.Error())
 	}
@@ -451,6 +485,21 @@ func listNetns() map[string]bool {
 	entries, _ := os.ReadDir("/var/run/netns")
 	for _, e := range entries {
 		out[e.Name()] = true
+	}
+	return out
+}
+
+// hostTables lists the host netns' nf_tables tables as "family name".
+func hostTables() map[string]bool {
+	out := map[string]bool{}
+	data, err := exec.Command("nft", "list", "tables").Output()
+	if err != nil {
+		return out
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if t, ok := strings.CutPrefix(strings.TrimSpace(line), "table "); ok {
+			out[t] = true
+		}
 	}
 	return out
 }

@@ -24,6 +24,7 @@ func TestE2ENodeRunsAPodAndTearsDownClean(t *testing.T) {
 	defer cancel()
 	root := "/var/lib/inpod-e2e-test"
 	netnsBefore := netnsNames()
+	tablesBefore, _ := exec.Command("nft", "list", "tables").Output()
 	start := time.Now()
 	node, err := cluster.StartNode(ctx, cluster.NodeConfig{Config: cluster.Config{Root: root}, RepoDir: repoDir(t)})
 	if err != nil {
@@ -95,6 +96,9 @@ func TestE2ENodeRunsAPodAndTearsDownClean(t *testing.T) {
 	}
 	if err := exec.Command("ip", "link", "show", cluster.BridgeName).Run(); err == nil {
 		t.Errorf("bridge %s remains", cluster.BridgeName)
+	}
+	if tables, _ := exec.Command("nft", "list", "tables").Output(); string(tables) != string(tablesBefore) {
+		t.Errorf("host netfilter tables changed:\nbefore:\n%s\nafter:\n%s", tablesBefore, tables)
 	}
 	for ns := range netnsNames() {
 		if !netnsBefore[ns] {

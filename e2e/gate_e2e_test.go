@@ -1,0 +1,189 @@
+//go:build e2e
+
+// Package e2e holds the end-to-end tests: inpod on a real single node.
+package e2e
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/inpod-dev/inpod/agent"
+	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/deviceplugin"
+	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/e2e/images"
+	"github.com/inpod-dev/inpod/e2e/ztunnel"
+	"github.com/inpod-dev/inpod/netns"
+)
+
+const gateResource = corev1.ResourceName(deviceplugin.DefaultResourceName)
+
+func repoDir(t *testing.T) string {
+	out, err := exec.Command("go", "env", "GOMOD").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return filepath.Dir(strings.TrimSpace(string(out)))
+}
+
+func poll(t *testing.T, timeout time.Duration, what string, cond func() bool) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for !cond() {
+		if time.Since(start) > timeout {
+			t.Fatalf("timed out after %s waiting for %s", timeout, what)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return time.Since(start)
+}
+
+// TestE2EDevicePluginGatesScheduling runs the agent (as a host process, in
+// the node's netns, against the node's real kubelet, containerd and CNI
+// configuration) with the ztunnel stand-in, and checks the gate end to end.
+func TestE2EDevicePluginGatesScheduling(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	node, err := cluster.StartNode(ctx, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-gate"}, RepoDir: repoDir(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := node.Stop(); err != nil {
+			t.Error(err)
+		}
+	})
+	client := node.Client
+
+	dir := t.TempDir()
+	plugin := filepath.Join(dir, "inpod-cni")
+	if out, err := exec.Command("go", "build", "-o", plugin, "../cmd/inpod-cni").CombinedOutput(); err != nil {
+		t.Fatalf("build inpod-cni: %v: %s", err, out)
+	}
+	sockDir, _ := os.MkdirTemp("", "inpod-e2e-")
+	t.Cleanup(func() { os.RemoveAll(sockDir) })
+	zdsSocket := filepath.Join(sockDir, "ztunnel.sock")
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	const devices = 16
+	a, err := agent.New(agent.Config{
+		NodeName: node.Name, Kubeconfig: node.Kubeconfig,
+		ZDSSocket: zdsSocket, CNISocket: filepath.Join(sockDir, "cni.sock"),
+		CNIBinarySource: plugin, CNIBinDir: node.CNIBin, CNIConfDir: node.CNIConf, InstallCNI: true,
+		StateDir: filepath.Join(dir, "state"), RedirectBackend: "nftables", ExcludedNamespaces: []string{"kube-system"},
+		HealthAddr: "127.0.0.1:0", MetricsAddr: "127.0.0.1:0", Logger: log,
+		DevicePlugin: deviceplugin.Config{PluginDir: node.DevicePluginDir(), Devices: devices},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	actx, acancel := context.WithCancel(ctx)
+	adone := make(chan error, 1)
+	go func() { adone <- a.Run(actx) }()
+	t.Cleanup(func() {
+		acancel()
+		<-adone
+		// The agent ran in the host netns; take its node-side table out.
+		if host, err := netns.Open("/proc/self/ns/net"); err == nil {
+			redirect.NewHostProbes(host).Uninstall()
+			host.Close()
+		}
+	})
+
+	allocatable := func() int64 {
+		n, err := client.CoreV1().Nodes().Get(ctx, node.Name, metav1.GetOptions{})
+		if err != nil {
+			return -1
+		}
+		q := n.Status.Allocatable[gateResource]
+		return q.Value()
+	}
+	capacity := func() int64 {
+		n, _ := client.CoreV1().Nodes().Get(ctx, node.Name, metav1.GetOptions{})
+		q := n.Status.Capacity[gateResource]
+		return q.Value()
+	}
+	// Registered, but not ready (no ztunnel): capacity N, allocatable 0.
+	poll(t, 60*time.Second, "the resource registered on the Node", func() bool { return capacity() == devices })
+	if got := allocatable(); got != 0 {
+		t.Fatalf("allocatable %d before ztunnel connected, want 0", got)
+	}
+
+	gated := func(name string) *corev1.Pod {
+		return &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec: corev1.PodSpec{
+				TerminationGracePeriodSeconds: new(int64),
+				Containers: []corev1.Container{{Name: "app", Image: images.TestAppRef, ImagePullPolicy: corev1.PullNever,
+					Resources: corev1.ResourceRequirements{
+						Requests: corev1.ResourceList{gateResource: resource.MustParse("1")},
+						Limits:   corev1.ResourceList{gateResource: resource.MustParse("1")},
+					}}},
+			},
+		}
+	}
+	pods := client.CoreV1().Pods("default")
+	if _, err := pods.Create(ctx, gated("early"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	poll(t, 60*time.Second, "the scheduler to report the pod unschedulable", func() bool {
+		p, err := pods.Get(ctx, "early", metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && strings.Contains(c.Message, string(gateResource)) {
+				return p.Spec.NodeName == ""
+			}
+		}
+		return false
+	})
+
+	// ztunnel connects: the node becomes ready; the scheduler sees it at
+	// the kubelet's next node-status sync.
+	z := ztunnel.New(ztunnel.Config{SocketPath: zdsSocket, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	zctx, zcancel := context.WithCancel(ctx)
+	zdone := make(chan struct{})
+	go func() { z.Run(zctx); close(zdone) }()
+	stopZ := func() { zcancel(); <-zdone }
+	t.Cleanup(stopZ)
+	poll(t, 30*time.Second, "the agent ready", func() bool { return a.Ready.State().Ready })
+	window := poll(t, 60*time.Second, "allocatable on the Node", func() bool { return allocatable() == devices })
+	t.Logf("window from the agent ready to the Node's allocatable updated: %s (kubelet nodeStatusUpdateFrequency 10s)", window.Round(10*time.Millisecond))
+	poll(t, 90*time.Second, "the gated pod Running once the node is ready", func() bool {
+		p, err := pods.Get(ctx, "early", metav1.GetOptions{})
+		return err == nil && p.Status.Phase == corev1.PodRunning
+	})
+
+	// The window the other way: ztunnel goes, devices turn Unhealthy at
+	// once, but the Node still shows them allocatable until the next
+	// status sync. A pod the scheduler binds in that window is refused by
+	// the kubelet's own admission (the device manager sees no healthy
+	// device) and never starts.
+	stopZ()
+	poll(t, 10*time.Second, "the agent not ready", func() bool { return !a.Ready.State().Ready })
+	if got := allocatable(); got == 0 {
+		t.Skip("the node status sync already ran; the window this case needs has closed")
+	}
+	if _, err := pods.Create(ctx, gated("in-window"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	poll(t, 60*time.Second, "the kubelet to refuse the pod bound in the window", func() bool {
+		p, err := pods.Get(ctx, "in-window", metav1.GetOptions{})
+		if err != nil || p.Spec.NodeName == "" {
+			return false
+		}
+		return p.Status.Phase == corev1.PodFailed && p.Status.Reason == "UnexpectedAdmissionError"
+	})
+	poll(t, 60*time.Second, "allocatable back to 0 on the Node", func() bool { return allocatable() == 0 })
+}
