@@ -67,6 +67,7 @@ bench: deps
 	$(GO) test -run '^$$' -bench . -benchtime 200x ./agent/redirect/
 	INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh) $(GO) test -run '^$$' -bench . -benchtime 100x ./plugin/
 	$(GO) test -run '^$$' -bench . -benchtime 200x ./deviceplugin/
+	$(K8S_ENV) $(GO) test -tags integration -run '^$$' -bench Enrollment -benchtime 1x -timeout 20m ./agent/
 
 # Pinned Kubernetes and etcd binaries for the test node, cached outside the
 # repo (INPOD_CACHE_DIR, default /var/cache/inpod): ~17 min cold, seconds warm.

@@ -42,7 +42,7 @@ const nodeName = "test-node"
 // configuration (bridge + host-local), the agent running in-process against
 // both, and the ztunnel stand-in connected to it.
 type world struct {
-	t       *testing.T
+	t       testing.TB
 	cp      *cluster.ControlPlane
 	client  kubernetes.Interface
 	node    *netnstest.NetNS
@@ -57,7 +57,7 @@ type world struct {
 	kubelet     *kubelettest.Kubelet
 }
 
-func newWorld(t *testing.T) *world {
+func newWorld(t testing.TB) *world {
 	t.Helper()
 	ctx := context.Background()
 	cp, err := cluster.StartControlPlane(ctx, cluster.Config{Root: filepath.Join(t.TempDir(), "cp")})
@@ -162,7 +162,7 @@ func (w *world) startStandin() func() {
 	return stop
 }
 
-type testWriter struct{ t *testing.T }
+type testWriter struct{ t testing.TB }
 
 func (w testWriter) Write(p []byte) (int, error) {
 	w.t.Log(strings.TrimSpace(string(p)))
@@ -315,6 +315,26 @@ func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
 	w.eventually("the gate open", func() bool { return w.kubelet.Allocatable(res4) == 4 })
 	w.stopStandin()
 	w.eventually("the gate closed without ztunnel", func() bool { return w.kubelet.Allocatable(res4) == 0 && w.kubelet.Capacity(res4) == 4 })
+	// Without ztunnel an enrolled pod fails closed, with an event saying why.
+	lonely, lonelyNS := w.pod("mesh", "lonely")
+	if _, err := w.cniAdd(lonely, lonelyNS); err == nil || !strings.Contains(err.Error(), "no ztunnel connected") {
+		t.Fatalf("ADD without ztunnel = %v, want a failure naming the cause", err)
+	}
+	if hasRules(t, lonelyNS) {
+		t.Fatal("a pod that failed to enroll kept its rules")
+	}
+	w.eventually("a ZtunnelNotConnected event on the pod", func() bool {
+		evs, err := w.client.CoreV1().Events("mesh").List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=lonely"})
+		if err != nil {
+			return false
+		}
+		for _, e := range evs.Items {
+			if e.Reason == "ZtunnelNotConnected" && e.Type == corev1.EventTypeWarning {
+				return true
+			}
+		}
+		return false
+	})
 	w.stopStandin = w.startStandin()
 	w.eventually("the gate open again", func() bool { return w.kubelet.Allocatable(res4) == 4 })
 
@@ -386,7 +406,7 @@ func (w *world) startAgentProcess(bin string) *agentProcess {
 	return p
 }
 
-func freeAddr(t *testing.T) string {
+func freeAddr(t testing.TB) string {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
