@@ -54,7 +54,10 @@ type Config struct {
 	// drive the plugin directly, or nodes set up by hand).
 	InstallCNI bool
 
-	RedirectBackend    string // auto, nftables, iptables-nft, iptables-legacy
+	RedirectBackend string // auto, nftables, iptables-nft, iptables-legacy
+	// EnrollmentLabel is the pod and namespace label that enrolls (default
+	// Istio's istio.io/dataplane-mode).
+	EnrollmentLabel    string
 	DNSCapture         bool
 	ExcludedNamespaces []string
 	ProcRoot           string
@@ -164,7 +167,7 @@ func (a *Agent) Run(ctx context.Context) error {
 
 	var zdsServer *zds.Server
 	a.pipeline = enroll.New(enroll.Config{
-		Policy:      enroll.Policy{ExcludedNamespaces: cfg.ExcludedNamespaces},
+		Policy:      enroll.Policy{ExcludedNamespaces: cfg.ExcludedNamespaces, Label: cfg.EnrollmentLabel},
 		Options:     redirect.Options{DNSCapture: cfg.DNSCapture},
 		Rules:       engine,
 		Probes:      probes,

@@ -24,6 +24,10 @@ const (
 type Policy struct {
 	// ExcludedNamespaces are never enrolled (default kube-system).
 	ExcludedNamespaces []string
+	// Label is the enrollment label on pods and namespaces (default
+	// istio.io/dataplane-mode, Istio's); the values stay Istio's: "ambient"
+	// enrolls, "none" opts a pod out.
+	Label string
 }
 
 // Enrolled applies Istio's rules: never host-network pods or excluded
@@ -33,11 +37,15 @@ func (p Policy) Enrolled(pod *corev1.Pod, ns *corev1.Namespace) bool {
 	if pod == nil || pod.Spec.HostNetwork || slices.Contains(p.ExcludedNamespaces, pod.Namespace) {
 		return false
 	}
-	switch pod.Labels[DataplaneModeLabel] {
+	label := p.Label
+	if label == "" {
+		label = DataplaneModeLabel
+	}
+	switch pod.Labels[label] {
 	case DataplaneAmbient:
 		return true
 	case DataplaneNone:
 		return false
 	}
-	return ns != nil && ns.Labels[DataplaneModeLabel] == DataplaneAmbient
+	return ns != nil && ns.Labels[label] == DataplaneAmbient
 }

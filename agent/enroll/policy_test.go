@@ -36,3 +36,15 @@ func TestPolicyFollowsIstioLabels(t *testing.T) {
 		}
 	}
 }
+
+func TestPolicyLabelIsConfigurable(t *testing.T) {
+	p := Policy{Label: "mesh.example.com/mode"}
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "apps", Labels: map[string]string{"mesh.example.com/mode": DataplaneAmbient}}}
+	if !p.Enrolled(pod, nil) {
+		t.Fatal("the configured label did not enroll the pod")
+	}
+	pod.Labels = map[string]string{DataplaneModeLabel: DataplaneAmbient}
+	if p.Enrolled(pod, nil) {
+		t.Fatal("Istio's label enrolled the pod although another label is configured")
+	}
+}
