@@ -162,35 +162,14 @@ func (s *Server) Serve(ctx context.Context) error {
 		ln = s.listener
 		s.mu.Unlock()
 	}
-	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	// Connections close as soon as ctx ends, so handlers mid-request return
+	// promptly and Serve can wait for them.
+	stop := context.AfterFunc(ctx, s.closeAll)
 	defer stop()
-
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	defer s.closeAll()
-	var tempDelay time.Duration
-	for {
-		uc, err := ln.AcceptUnix()
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil
-			}
-			if errors.Is(err, net.ErrClosed) {
-				return fmt.Errorf("zds: listener closed: %w", err)
-			}
-			// Transient (EMFILE and the like): back off, keep serving.
-			tempDelay = min(max(2*tempDelay, 5*time.Millisecond), time.Second)
-			s.log.Error("accept failed", "err", err, "retryIn", tempDelay)
-			time.Sleep(tempDelay)
-			continue
-		}
-		tempDelay = 0
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			s.handle(ctx, uc)
-		}()
+	if err := unixsock.Serve(ctx, ln, s.log, func(uc *net.UnixConn) { s.handle(ctx, uc) }); err != nil {
+		return fmt.Errorf("zds: %w", err)
 	}
+	return nil
 }
 
 func (s *Server) closeAll() {

@@ -114,25 +114,10 @@ func (s *Server) Serve(ctx context.Context) error {
 		}
 		ln = s.ln
 	}
-	stop := context.AfterFunc(ctx, func() { ln.Close() })
-	defer stop()
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	for {
-		uc, err := ln.AcceptUnix()
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil
-			}
-			if errors.Is(err, net.ErrClosed) {
-				return fmt.Errorf("cniserver: listener closed: %w", err)
-			}
-			s.log.Error("accept failed", "err", err)
-			time.Sleep(10 * time.Millisecond)
-			continue
-		}
-		wg.Go(func() { s.serveConn(ctx, uc) })
+	if err := unixsock.Serve(ctx, ln, s.log, func(uc *net.UnixConn) { s.serveConn(ctx, uc) }); err != nil {
+		return fmt.Errorf("cniserver: %w", err)
 	}
+	return nil
 }
 
 func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {

@@ -5,13 +5,16 @@
 package unixsock
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
 	"slices"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -92,4 +95,33 @@ func CheckPeer(uc *net.UnixConn, allowed []uint32) (*unix.Ucred, error) {
 		return cred, fmt.Errorf("peer pid %d runs as uid %d, not an allowed uid %v", cred.Pid, cred.Uid, allowed)
 	}
 	return cred, nil
+}
+
+// Serve accepts connections on ln until ctx ends, running handle for each in
+// its own goroutine, and waits for the handlers before returning. Transient
+// accept errors (EMFILE and the like) are logged and retried with a growing
+// pause instead of ending the server.
+func Serve(ctx context.Context, ln *net.UnixListener, log *slog.Logger, handle func(*net.UnixConn)) error {
+	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	defer stop()
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	var pause time.Duration
+	for {
+		uc, err := ln.AcceptUnix()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			if errors.Is(err, net.ErrClosed) {
+				return fmt.Errorf("listener closed: %w", err)
+			}
+			pause = min(max(2*pause, 5*time.Millisecond), time.Second)
+			log.Error("accept failed", "err", err, "retryIn", pause)
+			time.Sleep(pause)
+			continue
+		}
+		pause = 0
+		wg.Go(func() { handle(uc) })
+	}
 }
