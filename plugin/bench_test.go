@@ -47,11 +47,16 @@ func execPlugin(b *testing.B, node *os.File, bin, command, podNetns, containerID
 func BenchmarkPassThroughAdd(b *testing.B) {
 	dir := pluginDir(b)
 	echo := filepath.Join(dir, "echo")
-	if out, err := exec.Command("go", "build", "-o", echo, "./testdata/echo").CombinedOutput(); err != nil {
+	buildEcho := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", echo, "./testdata/echo")
+	buildEcho.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := buildEcho.CombinedOutput(); err != nil {
 		b.Fatalf("build echo: %v: %s", err, out)
 	}
 	stripped := filepath.Join(b.TempDir(), "inpod-cni")
-	if out, err := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", stripped, "../cmd/inpod-cni").CombinedOutput(); err != nil {
+	// Built as shipped (make build): static, stripped.
+	build := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", stripped, "../cmd/inpod-cni")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
 		b.Fatalf("build inpod-cni: %v: %s", err, out)
 	}
 	fi, err := os.Stat(stripped)

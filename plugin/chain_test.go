@@ -59,7 +59,7 @@ func pluginDir(t testing.TB) string {
 				return
 			}
 		}
-		out, err := exec.Command("go", "build", "-o", filepath.Join(dir, plugin.PluginType), "../cmd/inpod-cni").CombinedOutput()
+		out, err := goBuildStatic(filepath.Join(dir, plugin.PluginType), "../cmd/inpod-cni")
 		if err != nil {
 			buildOnce.err = fmt.Errorf("build inpod-cni: %v: %s", err, out)
 		}
@@ -389,4 +389,11 @@ func TestStatusAndGCThroughLibcni(t *testing.T) {
 	if err := c.in(func() error { return c.cni.GCNetworkList(ctx, c.list, &libcni.GCArgs{}) }); err != nil {
 		t.Fatalf("GC: %v", err)
 	}
+}
+
+// goBuildStatic builds a main as shipped: static, no cgo.
+func goBuildStatic(out, pkg string) ([]byte, error) {
+	cmd := exec.Command("go", "build", "-o", out, pkg)
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	return cmd.CombinedOutput()
 }
