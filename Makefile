@@ -42,7 +42,9 @@ lint: deps
 # real netfilter rules (each test cleans up after itself). Integration tests
 # (TestIntegration*, build tag integration) run against a real etcd and
 # kube-apiserver; end-to-end tests (TestE2E*, tag e2e) against a real
-# single node, one package at a time (they share the host's kubelet paths).
+# single node. Both run one package at a time: each start picks free ports,
+# and a parallel package could take one between the pick and the bind; the
+# e2e packages also share the host's fixed kubelet paths.
 # Both get their binaries from k8s-bins (cold: ~17 min).
 test: deps lint check-generated test-integration test-e2e test-unit
 
@@ -55,7 +57,7 @@ K8S_ENV = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh) INPOD_TEST_CNI_PLUGINS=$$(hack/
 tagged_pkgs = $(shell grep -rl --include='*_test.go' '^//go:build $(1)' . | xargs -r -n1 dirname | sort -u)
 
 test-integration: deps
-	$(K8S_ENV) $(GO) test -race -count=1 -tags integration -run '^TestIntegration' $(call tagged_pkgs,integration)
+	$(K8S_ENV) $(GO) test -p 1 -race -count=1 -tags integration -run '^TestIntegration' $(call tagged_pkgs,integration)
 
 test-e2e: deps
 	$(K8S_ENV) $(GO) test -p 1 -count=1 -timeout 30m -tags e2e -run '^TestE2E' $(call tagged_pkgs,e2e)
