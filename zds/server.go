@@ -23,6 +23,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/inpod-dev/inpod/internal/latest"
 	"github.com/inpod-dev/inpod/internal/unixsock"
 	"github.com/inpod-dev/inpod/zds/zdspb"
 )
@@ -104,7 +105,7 @@ type Server struct {
 	conns     []*conn // in connect order; the last is the newest
 	nextID    uint64
 	published State
-	subs      map[chan State]struct{}
+	states    *latest.Value[State]
 }
 
 // NewServer validates cfg and fills in defaults; Listen opens the socket.
@@ -126,9 +127,9 @@ func NewServer(cfg Config) (*Server, error) {
 		log = slog.Default()
 	}
 	return &Server{
-		cfg:  cfg,
-		log:  log.With("component", "zds"),
-		subs: map[chan State]struct{}{},
+		cfg:    cfg,
+		log:    log.With("component", "zds"),
+		states: latest.New(State{}),
 	}, nil
 }
 
@@ -191,18 +192,7 @@ func (s *Server) State() State {
 // Subscribe returns a channel that always holds the latest State after a
 // change (older undelivered values are replaced, so a slow reader never
 // blocks the server), starting with the current one. cancel releases it.
-func (s *Server) Subscribe() (<-chan State, func()) {
-	ch := make(chan State, 1)
-	s.mu.Lock()
-	s.subs[ch] = struct{}{}
-	ch <- s.stateLocked()
-	s.mu.Unlock()
-	return ch, func() {
-		s.mu.Lock()
-		delete(s.subs, ch)
-		s.mu.Unlock()
-	}
-}
+func (s *Server) Subscribe() (<-chan State, func()) { return s.states.Subscribe() }
 
 func (s *Server) stateLocked() State {
 	st := State{Connections: len(s.conns)}
@@ -214,9 +204,8 @@ func (s *Server) stateLocked() State {
 	return st
 }
 
-// publishLocked tells subscribers about a change. Callers hold s.mu, which
-// makes this the only sender on each channel, so the drain-then-send below
-// never blocks.
+// publishLocked tells subscribers about a change; holding s.mu keeps the
+// published order the order of changes.
 func (s *Server) publishLocked() {
 	st := s.stateLocked()
 	if st == s.published {
@@ -226,13 +215,7 @@ func (s *Server) publishLocked() {
 		s.log.Info("ztunnel readiness changed", "ready", st.Ready, "connections", st.Connections)
 	}
 	s.published = st
-	for ch := range s.subs {
-		select {
-		case <-ch:
-		default:
-		}
-		ch <- st
-	}
+	s.states.Publish(st)
 }
 
 // Add tells the newest connection about a pod and returns once ztunnel has

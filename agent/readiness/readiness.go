@@ -10,6 +10,8 @@ import (
 	"slices"
 	"sort"
 	"sync"
+
+	"github.com/inpod-dev/inpod/internal/latest"
 )
 
 // The conditions of the design.
@@ -34,7 +36,7 @@ type Aggregate struct {
 	mu          sync.Mutex
 	conds       map[string]cond
 	last        State
-	subs        map[chan State]struct{}
+	states      *latest.Value[State]
 	transitions int
 	onChange    []func(State)
 }
@@ -49,11 +51,12 @@ func New(log *slog.Logger, names ...string) *Aggregate {
 	if log == nil {
 		log = slog.Default()
 	}
-	a := &Aggregate{log: log.With("component", "readiness"), conds: map[string]cond{}, subs: map[chan State]struct{}{}}
+	a := &Aggregate{log: log.With("component", "readiness"), conds: map[string]cond{}}
 	for _, n := range names {
 		a.conds[n] = cond{reason: "not checked yet"}
 	}
 	a.last = a.stateLocked()
+	a.states = latest.New(a.last)
 	return a
 }
 
@@ -87,13 +90,7 @@ func (a *Aggregate) Set(name string, ok bool, reason string) {
 		}
 	}
 	a.last = st
-	for ch := range a.subs {
-		select {
-		case <-ch:
-		default:
-		}
-		ch <- st
-	}
+	a.states.Publish(st)
 	for _, fn := range a.onChange {
 		fn(st)
 	}
@@ -116,18 +113,7 @@ func (a *Aggregate) Transitions() int {
 // Subscribe returns a channel holding the latest State after each change
 // (starting with the current one); a slow reader only ever misses
 // intermediate values, never the last.
-func (a *Aggregate) Subscribe() (<-chan State, func()) {
-	ch := make(chan State, 1)
-	a.mu.Lock()
-	a.subs[ch] = struct{}{}
-	ch <- a.last
-	a.mu.Unlock()
-	return ch, func() {
-		a.mu.Lock()
-		delete(a.subs, ch)
-		a.mu.Unlock()
-	}
-}
+func (a *Aggregate) Subscribe() (<-chan State, func()) { return a.states.Subscribe() }
 
 func (a *Aggregate) stateLocked() State {
 	st := State{Ready: len(a.conds) > 0}
