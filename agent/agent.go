@@ -198,15 +198,19 @@ func (a *Agent) Run(ctx context.Context) error {
 		if err := a.writeAPIAccess(restCfg); err != nil {
 			a.log.Warn("no API access file for the plugin; while the agent is down it cannot tell enrolled pods apart and fails every pod's ADD", "err", err)
 		}
+		cniWasInstalled := false // OnChange calls are sequential
 		inst, err := cniinstall.New(cniinstall.Config{
 			BinarySource: cfg.CNIBinarySource, BinDir: cfg.CNIBinDir, ConfDir: cfg.CNIConfDir,
 			StateDir: filepath.Join(cfg.StateDir, "cni"), Logger: a.log,
 			Entry: cniinstall.Entry{AgentSocket: cfg.CNISocket, ExcludeNamespaces: cfg.ExcludedNamespaces,
 				APIAccess: filepath.Join(cfg.CNIConfDir, apiAccessFile)},
 			OnChange: func(ok bool, reason string) {
-				if !ok {
+				// Installed again after having been installed: a repair.
+				// The first install at start is not one.
+				if ok && cniWasInstalled {
 					a.Metrics.CNIRepaired()
 				}
+				cniWasInstalled = cniWasInstalled || ok
 				a.Ready.Set(readiness.CNIInstalled, ok, reason)
 			},
 		})
@@ -346,8 +350,6 @@ func enqueuePod(q workqueue.TypedRateLimitingInterface[types.NamespacedName], ob
 		q.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
 	}
 }
-
-func labelsEverything() labels.Selector { return labels.Everything() }
 
 // ztunnelRef lets the pipeline be built before the ZDS server, which needs
 // the pipeline as its pod source.

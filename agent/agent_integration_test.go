@@ -461,7 +461,7 @@ func TestIntegrationAgentKilledAndRestartedLeavesRulesAndResendsSnapshot(t *test
 		_, ok := w.standin.Workloads()[string(pod.UID)]
 		return ok && w.standin.SnapshotDone()
 	})
-	want, _ := netns.IdentityOf(int(sandbox.Open(t).Fd()))
+	want, _ := netns.IdentityOfPath(sandbox.Path)
 	if got := w.standin.Workloads()[string(pod.UID)].NetNS; got != want {
 		t.Fatalf("new ztunnel got netns %v, want the pod's %v", got, want)
 	}

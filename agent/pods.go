@@ -8,6 +8,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	listersv1 "k8s.io/client-go/listers/core/v1"
@@ -60,7 +61,7 @@ func (c *podCache) Namespace(name string) (*corev1.Namespace, error) {
 
 // podsOfNamespace lists this node's pods in a namespace from the cache.
 func (c *podCache) podsOfNamespace(ns string) []*corev1.Pod {
-	pods, _ := c.pods.Pods(ns).List(labelsEverything())
+	pods, _ := c.pods.Pods(ns).List(labels.Everything())
 	return pods
 }
 

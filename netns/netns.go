@@ -131,6 +131,17 @@ func IdentityOf(fd int) (Identity, error) {
 	return Identity{Dev: st.Dev, Ino: st.Ino}, nil
 }
 
+// IdentityOfPath is IdentityOf for a namespace named by a path
+// (/var/run/netns/x, /proc/<pid>/ns/net): stat follows the bind mount or
+// magic link to the nsfs inode, so nothing needs to be opened.
+func IdentityOfPath(path string) (Identity, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return Identity{}, fmt.Errorf("stat netns %s: %w", path, err)
+	}
+	return Identity{Dev: st.Dev, Ino: st.Ino}, nil
+}
+
 func (id Identity) String() string { return fmt.Sprintf("%d:%d", id.Dev, id.Ino) }
 
 func threadNetNSPath() string {

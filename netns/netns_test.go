@@ -3,7 +3,6 @@ package netns_test
 import (
 	"errors"
 	"net"
-	"os"
 	"testing"
 
 	"github.com/inpod-dev/inpod/netns"
@@ -12,12 +11,7 @@ import (
 
 func currentNetNS(t *testing.T) netns.Identity {
 	t.Helper()
-	f, err := os.Open("/proc/thread-self/ns/net")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	id, err := netns.IdentityOf(int(f.Fd()))
+	id, err := netns.IdentityOfPath("/proc/thread-self/ns/net")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -269,9 +269,7 @@ func (p *Pipeline) Del(ctx context.Context, req *cnievent.Request) (cnievent.Out
 	if req.Netns != "" {
 		// A DEL for an older sandbox of a re-enrolled pod must not undo
 		// the current one.
-		if f, err := netns.Open(req.Netns); err == nil {
-			id, _ := netns.IdentityOf(int(f.Fd()))
-			f.Close()
+		if id, err := netns.IdentityOfPath(req.Netns); err == nil {
 			p.mu.Lock()
 			e := p.enrolled[uid]
 			p.mu.Unlock()

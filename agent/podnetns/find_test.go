@@ -71,7 +71,7 @@ func TestFindMatchesCgroupAndIP(t *testing.T) {
 	}
 	defer f.Close()
 	got, _ := netns.IdentityOf(int(f.Fd()))
-	want := identity(t, pod.Path)
+	want, _ := netns.IdentityOfPath(pod.Path)
 	if got != want {
 		t.Fatalf("found netns %v, want the pod's %v", got, want)
 	}
@@ -84,17 +84,4 @@ func TestFindMatchesCgroupAndIP(t *testing.T) {
 	if !errors.Is(err, podnetns.ErrNotFound) {
 		t.Fatalf("Find for another uid = %v, want ErrNotFound", err)
 	}
-}
-
-func identity(t *testing.T, path string) netns.Identity {
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	id, err := netns.IdentityOf(int(f.Fd()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return id
 }

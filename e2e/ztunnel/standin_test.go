@@ -252,9 +252,7 @@ func TestStandinRecreatedSandboxMovesListeners(t *testing.T) {
 	c.request(add("u"), openFD(t, oldNS.Path))
 	c.request(add("u"), openFD(t, newNS.Path))
 
-	f, _ := os.Open(newNS.Path)
-	defer f.Close()
-	want, _ := netns.IdentityOf(int(f.Fd()))
+	want, _ := netns.IdentityOfPath(newNS.Path)
 	if got := z.Workloads()["u"].NetNS; got != want {
 		t.Fatalf("workload netns %v, want the new sandbox's %v", got, want)
 	}
