@@ -46,10 +46,10 @@ type Config struct {
 	ZDSSocket string
 	CNISocket string
 
-	CNIBinarySource string
-	CNIBinDir       string
-	CNIConfDir      string
-	StateDir        string
+	CNISourceDir string
+	CNIBinDir    string
+	CNIConfDir   string
+	StateDir     string
 	// InstallCNI false leaves the CNI configuration alone (tests that
 	// drive the plugin directly, or nodes set up by hand).
 	InstallCNI bool
@@ -200,7 +200,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		}
 		cniWasInstalled := false // OnChange calls are sequential
 		inst, err := cniinstall.New(cniinstall.Config{
-			BinarySource: cfg.CNIBinarySource, BinDir: cfg.CNIBinDir, ConfDir: cfg.CNIConfDir,
+			SourceDir: cfg.CNISourceDir, BinDir: cfg.CNIBinDir, ConfDir: cfg.CNIConfDir,
 			StateDir: filepath.Join(cfg.StateDir, "cni"), Logger: a.log,
 			Entry: cniinstall.Entry{AgentSocket: cfg.CNISocket, ExcludeNamespaces: cfg.ExcludedNamespaces,
 				APIAccess: filepath.Join(cfg.CNIConfDir, apiAccessFile)},

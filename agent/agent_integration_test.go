@@ -34,6 +34,7 @@ import (
 	"github.com/inpod-dev/inpod/e2e/ztunnel"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
+	"github.com/inpod-dev/inpod/plugin/plugintest"
 )
 
 const nodeName = "test-node"
@@ -88,9 +89,9 @@ func newWorld(t testing.TB) *world {
 			"ipam": map[string]any{"type": "host-local", "subnet": "198.51.100.0/24", "dataDir": filepath.Join(dir, "ipam")}},
 	}})
 	os.WriteFile(filepath.Join(w.confDir, "10-podnet.conflist"), primary, 0o644)
-	pluginBin := filepath.Join(dir, "inpod-cni")
-	if out, err := exec.Command("go", "build", "-o", pluginBin, "../cmd/inpod-cni").CombinedOutput(); err != nil {
-		t.Fatalf("build inpod-cni: %v: %s", err, out)
+	image := filepath.Join(dir, "image")
+	if err := plugintest.Build(image); err != nil {
+		t.Fatal(err)
 	}
 
 	for _, ns := range []struct {
@@ -111,7 +112,7 @@ func newWorld(t testing.TB) *world {
 	w.cfg = agent.Config{
 		NodeName: nodeName, Kubeconfig: cp.Kubeconfig,
 		ZDSSocket: filepath.Join(sockDir, "zt", "ztunnel.sock"), CNISocket: filepath.Join(sockDir, "inpod", "cni.sock"),
-		CNIBinarySource: pluginBin, CNIBinDir: w.binDir, CNIConfDir: w.confDir, InstallCNI: true,
+		CNISourceDir: image, CNIBinDir: w.binDir, CNIConfDir: w.confDir, InstallCNI: true,
 		StateDir: filepath.Join(dir, "state"), RedirectBackend: "nftables",
 		ExcludedNamespaces: []string{"kube-system"}, HostNetNS: w.node.Path,
 		HealthAddr: "127.0.0.1:0", MetricsAddr: "127.0.0.1:0",
@@ -385,7 +386,7 @@ func (w *world) startAgentProcess(bin string) *agentProcess {
 	cmd := exec.Command(bin,
 		"--node-name", c.NodeName, "--kubeconfig", c.Kubeconfig,
 		"--zds-socket", c.ZDSSocket, "--cni-socket", c.CNISocket,
-		"--cni-binary", c.CNIBinarySource, "--cni-bin-dir", c.CNIBinDir, "--cni-conf-dir", c.CNIConfDir,
+		"--cni-source-dir", c.CNISourceDir, "--cni-bin-dir", c.CNIBinDir, "--cni-conf-dir", c.CNIConfDir,
 		"--state-dir", c.StateDir, "--redirect-backend", c.RedirectBackend,
 		"--host-netns", c.HostNetNS, "--device-plugin-dir", c.DevicePlugin.PluginDir, "--devices", "4",
 		"--health-addr", health, "--metrics-addr", freeAddr(w.t), "--log-level", "debug")

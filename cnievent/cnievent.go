@@ -17,6 +17,14 @@ import (
 // DefaultSocketPath is where the agent listens.
 const DefaultSocketPath = "/var/run/inpod/cni.sock"
 
+// The binaries the agent installs in the CNI bin dir: the plugin, and the
+// companion it runs to decide enrollment from the API server while the agent
+// is unreachable.
+const (
+	PluginBinary   = "inpod-cni"
+	APICheckBinary = "inpod-cni-apicheck"
+)
+
 // MaxMessageSize bounds a request or a reply; anything larger is refused.
 const MaxMessageSize = 64 << 10
 
@@ -69,6 +77,15 @@ var ErrUnreachable = errors.New("inpod agent unreachable")
 
 // Send delivers req to the agent at socket and returns its answer.
 func Send(ctx context.Context, socket string, req *Request) (*Response, error) {
+	// Encoded before connecting, so the whole request is there when the
+	// agent accepts and it answers without waiting on the plugin.
+	body, err := json.Marshal(req)
+	if err != nil {
+		return nil, err
+	}
+	if len(body) > MaxMessageSize {
+		return nil, fmt.Errorf("request for %s is %d bytes, over the %d limit", req.Pod(), len(body), MaxMessageSize)
+	}
 	var d net.Dialer
 	c, err := d.DialContext(ctx, "unix", socket)
 	if err != nil {
@@ -77,13 +94,6 @@ func Send(ctx context.Context, socket string, req *Request) (*Response, error) {
 	defer c.Close()
 	if deadline, ok := ctx.Deadline(); ok {
 		c.SetDeadline(deadline)
-	}
-	body, err := json.Marshal(req)
-	if err != nil {
-		return nil, err
-	}
-	if len(body) > MaxMessageSize {
-		return nil, fmt.Errorf("request for %s is %d bytes, over the %d limit", req.Pod(), len(body), MaxMessageSize)
 	}
 	if _, err := c.Write(body); err != nil {
 		return nil, fmt.Errorf("%w: send to %s: %v", ErrUnreachable, socket, err)

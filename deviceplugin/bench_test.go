@@ -77,9 +77,12 @@ func BenchmarkGateFlip(b *testing.B) {
 	os.MkdirAll(confDir, 0o755)
 	original := []byte(`{"cniVersion":"1.0.0","name":"n","plugins":[{"type":"bridge"}]}`)
 	os.WriteFile(filepath.Join(confDir, "10-n.conflist"), original, 0o644)
-	bin := filepath.Join(dir, "inpod-cni")
-	os.WriteFile(bin, []byte("binary"), 0o755)
-	inst, err := cniinstall.New(cniinstall.Config{BinarySource: bin, BinDir: filepath.Join(dir, "bin"), ConfDir: confDir,
+	image := filepath.Join(dir, "image")
+	os.MkdirAll(image, 0o755)
+	for _, name := range []string{"inpod-cni", "inpod-cni-apicheck"} {
+		os.WriteFile(filepath.Join(image, name), []byte("binary"), 0o755)
+	}
+	inst, err := cniinstall.New(cniinstall.Config{SourceDir: image, BinDir: filepath.Join(dir, "bin"), ConfDir: confDir,
 		StateDir: filepath.Join(dir, "state"), MaxRepairsPerMinute: 1 << 20, Logger: log,
 		OnChange: func(ok bool, reason string) { ready.Set(readiness.CNIInstalled, ok, reason) }})
 	if err != nil {

@@ -25,6 +25,7 @@ import (
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/e2e/ztunnel"
 	"github.com/inpod-dev/inpod/netns"
+	"github.com/inpod-dev/inpod/plugin/plugintest"
 )
 
 const gateResource = corev1.ResourceName(deviceplugin.DefaultResourceName)
@@ -67,9 +68,9 @@ func TestE2EDevicePluginGatesScheduling(t *testing.T) {
 	client := node.Client
 
 	dir := t.TempDir()
-	plugin := filepath.Join(dir, "inpod-cni")
-	if out, err := exec.Command("go", "build", "-o", plugin, "../cmd/inpod-cni").CombinedOutput(); err != nil {
-		t.Fatalf("build inpod-cni: %v: %s", err, out)
+	image := filepath.Join(dir, "image")
+	if err := plugintest.Build(image); err != nil {
+		t.Fatal(err)
 	}
 	sockDir, _ := os.MkdirTemp("", "inpod-e2e-")
 	t.Cleanup(func() { os.RemoveAll(sockDir) })
@@ -79,7 +80,7 @@ func TestE2EDevicePluginGatesScheduling(t *testing.T) {
 	a, err := agent.New(agent.Config{
 		NodeName: node.Name, Kubeconfig: node.Kubeconfig,
 		ZDSSocket: zdsSocket, CNISocket: filepath.Join(sockDir, "cni.sock"),
-		CNIBinarySource: plugin, CNIBinDir: node.CNIBin, CNIConfDir: node.CNIConf, InstallCNI: true,
+		CNISourceDir: image, CNIBinDir: node.CNIBin, CNIConfDir: node.CNIConf, InstallCNI: true,
 		StateDir: filepath.Join(dir, "state"), RedirectBackend: "nftables", ExcludedNamespaces: []string{"kube-system"},
 		HealthAddr: "127.0.0.1:0", MetricsAddr: "127.0.0.1:0", Logger: log,
 		DevicePlugin: deviceplugin.Config{PluginDir: node.DevicePluginDir(), Devices: devices},

@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -23,6 +22,8 @@ import (
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/plugin"
+	"github.com/inpod-dev/inpod/plugin/apicheck"
+	"github.com/inpod-dev/inpod/plugin/plugintest"
 )
 
 // The chain under test: the reference bridge + host-local plugins, then
@@ -59,10 +60,7 @@ func pluginDir(t testing.TB) string {
 				return
 			}
 		}
-		out, err := goBuildStatic(filepath.Join(dir, plugin.PluginType), "../cmd/inpod-cni")
-		if err != nil {
-			buildOnce.err = fmt.Errorf("build inpod-cni: %v: %s", err, out)
-		}
+		buildOnce.err = plugintest.Build(dir)
 	})
 	if buildOnce.err != nil {
 		t.Fatal(buildOnce.err)
@@ -324,7 +322,7 @@ func fakeAPI(t *testing.T, node *os.File, podLabels, nsLabels map[string]map[str
 	t.Cleanup(srv.Close)
 	ca := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw})
 	path := filepath.Join(t.TempDir(), "api-access.json")
-	data, _ := json.Marshal(plugin.APIAccess{Server: srv.URL, CAData: ca, Token: "test-token"})
+	data, _ := json.Marshal(apicheck.Access{Server: srv.URL, CAData: ca, Token: "test-token"})
 	if err := os.WriteFile(path, data, 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -335,12 +333,12 @@ func TestAgentDownFailsEnrolledAndPassesOthers(t *testing.T) {
 	c := newChain(t, "")
 	access := fakeAPI(t, c.node,
 		map[string]map[string]string{
-			"default/mesh-pod":  {plugin.DataplaneModeLabel: plugin.DataplaneAmbient},
+			"default/mesh-pod":  {apicheck.DataplaneModeLabel: apicheck.DataplaneAmbient},
 			"default/plain":     {},
 			"ambient/app":       {},
-			"ambient/opted-out": {plugin.DataplaneModeLabel: plugin.DataplaneNone},
+			"ambient/opted-out": {apicheck.DataplaneModeLabel: apicheck.DataplaneNone},
 		},
-		map[string]map[string]string{"default": {}, "ambient": {plugin.DataplaneModeLabel: plugin.DataplaneAmbient}},
+		map[string]map[string]string{"default": {}, "ambient": {apicheck.DataplaneModeLabel: apicheck.DataplaneAmbient}},
 	)
 	c.setAPIAccess(t, access)
 	// No agent is listening on c.socket.
@@ -370,6 +368,25 @@ func TestAgentDownFailsEnrolledAndPassesOthers(t *testing.T) {
 	}
 }
 
+func TestAgentDownWithoutTheAPICheckBinaryFailsClosed(t *testing.T) {
+	c := newChain(t, "")
+	c.setAPIAccess(t, fakeAPI(t, c.node, map[string]map[string]string{"default/plain": {}}, map[string]map[string]string{"default": {}}))
+	// A bin dir with everything but inpod-cni-apicheck.
+	bin := t.TempDir()
+	for _, name := range []string{"bridge", "host-local", plugin.PluginType} {
+		if err := os.Link(filepath.Join(pluginDir(t), name), filepath.Join(bin, name)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c.cni = libcni.NewCNIConfigWithCacheDir([]string{bin}, filepath.Join(t.TempDir(), "cache"), nil)
+	pod := netnstest.New(t)
+	_, err := c.add(c.rt(pod, "default", "plain"))
+	if err == nil || !strings.Contains(err.Error(), "inpod-cni-apicheck not found in CNI_PATH") {
+		t.Fatalf("ADD with the agent down and no inpod-cni-apicheck = %v, want a failure naming the missing binary", err)
+	}
+	c.del(c.rt(pod, "default", "plain"))
+}
+
 func TestAgentAndAPIDownFailsClosedWithReason(t *testing.T) {
 	c := newChain(t, "")
 	pod := netnstest.New(t)
@@ -389,11 +406,4 @@ func TestStatusAndGCThroughLibcni(t *testing.T) {
 	if err := c.in(func() error { return c.cni.GCNetworkList(ctx, c.list, &libcni.GCArgs{}) }); err != nil {
 		t.Fatalf("GC: %v", err)
 	}
-}
-
-// goBuildStatic builds a main as shipped: static, no cgo.
-func goBuildStatic(out, pkg string) ([]byte, error) {
-	cmd := exec.Command("go", "build", "-o", out, pkg)
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	return cmd.CombinedOutput()
 }

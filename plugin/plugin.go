@@ -20,7 +20,7 @@ import (
 type Plugin struct {
 	Stdout io.Writer
 	// decideWithoutAgent is replaceable for fault injection.
-	decideWithoutAgent func(*Config, k8sArgs) (bool, string, error)
+	decideWithoutAgent func(conf *Config, k k8sArgs, cniPath string) (enrolled bool, why string, err error)
 }
 
 // New returns a plugin writing results to stdout.
@@ -123,7 +123,7 @@ func (p *Plugin) handle(conf *Config, k k8sArgs, cmd cnievent.Command, args *ske
 	resp, err := cnievent.Send(ctx, conf.AgentSocket, request(cmd, k, args, ips))
 	switch {
 	case errors.Is(err, cnievent.ErrUnreachable):
-		enrolled, why, derr := p.decideWithoutAgent(conf, k)
+		enrolled, why, derr := p.decideWithoutAgent(conf, k, args.Path)
 		if derr != nil {
 			return fmt.Errorf("inpod-cni: pod %s: %v, and enrollment could not be decided without it (%v); failing the ADD so an enrolled pod never runs unredirected, the runtime will retry", pod, err, derr)
 		}

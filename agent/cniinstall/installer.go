@@ -1,8 +1,9 @@
 // Package cniinstall puts inpod-cni on the node and keeps it there: it
-// copies the binary into the CNI bin dir atomically, chains the plugin last
-// into the node's primary network configuration, and watches both so that a
-// CNI that rewrites its file (dropping inpod) is repaired, with the node
-// reported not ready until it is. Uninstall restores what it found.
+// copies the plugin and its companion binary into the CNI bin dir
+// atomically, chains the plugin last into the node's primary network
+// configuration, and watches both so that a CNI that rewrites its file
+// (dropping inpod) is repaired, with the node reported not ready until it
+// is. Uninstall restores what it found.
 package cniinstall
 
 import (
@@ -19,10 +20,16 @@ import (
 	"time"
 
 	"github.com/fsnotify/fsnotify"
+
+	"github.com/inpod-dev/inpod/cnievent"
 )
 
 // PluginType is the plugin's type in the conflist.
-const PluginType = "inpod-cni"
+const PluginType = cnievent.PluginBinary
+
+// binaries are installed together: the plugin, and the companion it runs to
+// decide enrollment while the agent is unreachable.
+var binaries = []string{cnievent.PluginBinary, cnievent.APICheckBinary}
 
 // Entry is inpod's plugin entry.
 type Entry struct {
@@ -42,10 +49,11 @@ func (e Entry) marshal() (json.RawMessage, error) {
 // Config says where things are. Every path is configurable so tests and
 // unusual nodes work alike.
 type Config struct {
-	// BinarySource is inpod-cni as shipped in the agent's image.
-	BinarySource string
-	BinDir       string // default /opt/cni/bin
-	ConfDir      string // default /etc/cni/net.d
+	// SourceDir holds inpod-cni and inpod-cni-apicheck as shipped in the
+	// agent's image.
+	SourceDir string
+	BinDir    string // default /opt/cni/bin
+	ConfDir   string // default /etc/cni/net.d
 	// StateDir keeps the originals of files inpod changed, for Uninstall.
 	StateDir string // default /var/lib/inpod/cni
 	Entry    Entry
@@ -64,7 +72,7 @@ type Installer struct {
 	cfg   Config
 	log   *slog.Logger
 	entry json.RawMessage
-	want  []byte // the binary's content
+	want  map[string][]byte // each binary's content, by name
 
 	mu        sync.Mutex
 	installed bool
@@ -92,9 +100,14 @@ func New(cfg Config) (*Installer, error) {
 	if cfg.MaxRepairsPerMinute <= 0 {
 		cfg.MaxRepairsPerMinute = 5
 	}
-	want, err := os.ReadFile(cfg.BinarySource)
-	if err != nil {
-		return nil, fmt.Errorf("cniinstall: read the plugin binary to install: %w", err)
+	want := map[string][]byte{}
+	for _, name := range binaries {
+		src := filepath.Join(cfg.SourceDir, name)
+		data, err := os.ReadFile(src)
+		if err != nil {
+			return nil, fmt.Errorf("cniinstall: read the binary to install: %w", err)
+		}
+		want[name] = data
 	}
 	entry, err := cfg.Entry.marshal()
 	if err != nil {
@@ -118,13 +131,15 @@ type Status struct {
 // Check reports, reading only, whether the binary is in place and inpod is
 // the last plugin of the primary configuration.
 func (i *Installer) Check() Status {
-	bin := filepath.Join(i.cfg.BinDir, PluginType)
-	have, err := os.ReadFile(bin)
-	if err != nil {
-		return Status{Reason: fmt.Sprintf("plugin binary %s: %v", bin, err)}
-	}
-	if !bytes.Equal(have, i.want) {
-		return Status{Reason: fmt.Sprintf("plugin binary %s differs from this agent's", bin)}
+	for _, name := range binaries {
+		bin := filepath.Join(i.cfg.BinDir, name)
+		have, err := os.ReadFile(bin)
+		if err != nil {
+			return Status{Reason: fmt.Sprintf("plugin binary %s: %v", bin, err)}
+		}
+		if !bytes.Equal(have, i.want[name]) {
+			return Status{Reason: fmt.Sprintf("plugin binary %s differs from this agent's", bin)}
+		}
 	}
 	path, list, err := primaryConfig(i.cfg.ConfDir)
 	if err != nil {
@@ -136,11 +151,13 @@ func (i *Installer) Check() Status {
 	return Status{Installed: true, Conflist: path}
 }
 
-// Install copies the binary and chains the plugin into the primary
+// Install copies the binaries and chains the plugin into the primary
 // configuration; when both are already right it writes nothing.
 func (i *Installer) Install() (Status, error) {
-	if err := i.installBinary(); err != nil {
-		return Status{Reason: err.Error()}, err
+	for _, name := range binaries {
+		if err := i.installBinary(name); err != nil {
+			return Status{Reason: err.Error()}, err
+		}
 	}
 	path, list, err := primaryConfig(i.cfg.ConfDir)
 	if err != nil {
@@ -174,18 +191,18 @@ func (i *Installer) Install() (Status, error) {
 	return Status{Installed: true, Conflist: target}, nil
 }
 
-func (i *Installer) installBinary() error {
-	dst := filepath.Join(i.cfg.BinDir, PluginType)
-	if have, err := os.ReadFile(dst); err == nil && bytes.Equal(have, i.want) {
+func (i *Installer) installBinary(name string) error {
+	dst := filepath.Join(i.cfg.BinDir, name)
+	if have, err := os.ReadFile(dst); err == nil && bytes.Equal(have, i.want[name]) {
 		return nil
 	}
 	if err := os.MkdirAll(i.cfg.BinDir, 0o755); err != nil {
 		return fmt.Errorf("cniinstall: %w", err)
 	}
-	if err := writeAtomic(dst, i.want, 0o755); err != nil {
+	if err := writeAtomic(dst, i.want[name], 0o755); err != nil {
 		return err
 	}
-	i.log.Info("installed the plugin binary", "path", dst)
+	i.log.Info("installed a plugin binary", "path", dst)
 	return nil
 }
 
@@ -208,7 +225,7 @@ func (i *Installer) backup(path string) error {
 
 // Uninstall takes inpod out of every configuration in the conf dir,
 // restoring a file's original bytes when nothing else changed it since,
-// and removes the binary. Used when inpod is removed from the node, never
+// and removes the binaries. Used when inpod is removed from the node, never
 // on an agent restart: while the agent is away the plugin stays, so
 // enrolled pods fail closed.
 func (i *Installer) Uninstall() error {
@@ -258,8 +275,10 @@ func (i *Installer) Uninstall() error {
 		}
 		i.log.Info("removed inpod-cni from CNI configuration", "file", path, "restoredOriginal", restored)
 	}
-	if err := os.Remove(filepath.Join(i.cfg.BinDir, PluginType)); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return err
+	for _, name := range binaries {
+		if err := os.Remove(filepath.Join(i.cfg.BinDir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
 	}
 	return os.RemoveAll(originals)
 }

@@ -31,7 +31,7 @@ func newEnv(t *testing.T, caseName string) *env {
 	t.Helper()
 	root := t.TempDir()
 	e := &env{confDir: filepath.Join(root, "net.d"), binDir: filepath.Join(root, "bin"),
-		stateDir: filepath.Join(root, "state"), source: filepath.Join(root, "inpod-cni.src")}
+		stateDir: filepath.Join(root, "state"), source: filepath.Join(root, "image")}
 	os.MkdirAll(e.confDir, 0o755)
 	if caseName != "" {
 		files, _ := os.ReadDir(filepath.Join("testdata", caseName, "in"))
@@ -45,15 +45,18 @@ func newEnv(t *testing.T, caseName string) *env {
 			}
 		}
 	}
-	if err := os.WriteFile(e.source, []byte("#!/bin/sh\necho fake inpod-cni\n"), 0o755); err != nil {
-		t.Fatal(err)
+	os.MkdirAll(e.source, 0o755)
+	for _, name := range []string{"inpod-cni", "inpod-cni-apicheck"} {
+		if err := os.WriteFile(filepath.Join(e.source, name), []byte("#!/bin/sh\necho fake "+name+"\n"), 0o755); err != nil {
+			t.Fatal(err)
+		}
 	}
 	return e
 }
 
 func (e *env) installer(t *testing.T, mod func(*cniinstall.Config)) *cniinstall.Installer {
 	t.Helper()
-	cfg := cniinstall.Config{BinarySource: e.source, BinDir: e.binDir, ConfDir: e.confDir, StateDir: e.stateDir, Entry: entry}
+	cfg := cniinstall.Config{SourceDir: e.source, BinDir: e.binDir, ConfDir: e.confDir, StateDir: e.stateDir, Entry: entry}
 	if mod != nil {
 		mod(&cfg)
 	}
@@ -126,8 +129,10 @@ func TestInstallGoldenAndUninstallRestores(t *testing.T) {
 					t.Errorf("Install touched %s, which is not the primary configuration", name)
 				}
 			}
-			if bin, err := os.ReadFile(filepath.Join(e.binDir, "inpod-cni")); err != nil || !strings.Contains(string(bin), "fake inpod-cni") {
-				t.Errorf("binary not installed: %v", err)
+			for _, name := range []string{"inpod-cni", "inpod-cni-apicheck"} {
+				if bin, err := os.ReadFile(filepath.Join(e.binDir, name)); err != nil || !strings.Contains(string(bin), "fake "+name+"\n") {
+					t.Errorf("%s not installed: %v", name, err)
+				}
 			}
 			if st := inst.Check(); !st.Installed {
 				t.Fatalf("Check after Install: %+v", st)
@@ -153,8 +158,10 @@ func TestInstallGoldenAndUninstallRestores(t *testing.T) {
 					t.Errorf("Uninstall did not restore %s:\n%s\nwant:\n%s", name, after[name].data, f.data)
 				}
 			}
-			if _, err := os.Stat(filepath.Join(e.binDir, "inpod-cni")); !os.IsNotExist(err) {
-				t.Error("Uninstall left the binary")
+			for _, name := range []string{"inpod-cni", "inpod-cni-apicheck"} {
+				if _, err := os.Stat(filepath.Join(e.binDir, name)); !os.IsNotExist(err) {
+					t.Errorf("Uninstall left %s", name)
+				}
 			}
 		})
 	}
@@ -260,10 +267,23 @@ func TestRunRepairsAClobberedConfigAndReportsIt(t *testing.T) {
 		t.Fatal("reported installed but the file lacks inpod")
 	}
 
-	// The binary removed: not ready until it is back.
-	os.Remove(filepath.Join(e.binDir, "inpod-cni"))
-	expectChange(t, changes, false)
-	expectChange(t, changes, true)
+	// A binary removed: not ready until it is back.
+	for _, name := range []string{"inpod-cni", "inpod-cni-apicheck"} {
+		os.Remove(filepath.Join(e.binDir, name))
+		if c := expectChange(t, changes, false); !strings.Contains(c.reason, name) {
+			t.Errorf("reason %q does not name %s", c.reason, name)
+		}
+		expectChange(t, changes, true)
+	}
+}
+
+func TestNewRefusesAnIncompleteImage(t *testing.T) {
+	e := newEnv(t, "")
+	os.Remove(filepath.Join(e.source, "inpod-cni-apicheck"))
+	_, err := cniinstall.New(cniinstall.Config{SourceDir: e.source, BinDir: e.binDir, ConfDir: e.confDir, StateDir: e.stateDir, Entry: entry})
+	if err == nil || !strings.Contains(err.Error(), "inpod-cni-apicheck") {
+		t.Fatalf("New with the companion binary missing: %v", err)
+	}
 }
 
 func TestRunWaitsForAPrimaryConfig(t *testing.T) {

@@ -139,13 +139,17 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 		s.reply(uc, cnievent.Failed, "invalid request: "+err.Error())
 		return
 	}
-	log := s.log.With("pod", req.Pod(), "command", req.Command, "container", shortID(req.ContainerID))
+	// Attributes built only when a line is logged: With would allocate a
+	// handler per request on the path of every pod start.
+	attrs := func(more ...any) []any {
+		return append([]any{"pod", req.Pod(), "command", req.Command, "container", shortID(req.ContainerID)}, more...)
+	}
 
 	select {
 	case s.slots <- struct{}{}:
 		defer func() { <-s.slots }()
 	default:
-		log.Warn("too many CNI events in progress; refusing one")
+		s.log.Warn("too many CNI events in progress; refusing one", attrs()...)
 		s.reply(uc, cnievent.Failed, fmt.Sprintf("agent busy: %d CNI events already in progress", s.cfg.MaxConcurrent))
 		return
 	}
@@ -154,11 +158,13 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 	start := time.Now()
 	outcome, err := s.dispatch(rctx, req)
 	if err != nil {
-		log.Error("CNI event failed", "err", err, "took", time.Since(start))
+		s.log.Error("CNI event failed", attrs("err", err, "took", time.Since(start))...)
 		s.reply(uc, cnievent.Failed, err.Error())
 		return
 	}
-	log.Debug("CNI event handled", "outcome", outcome, "took", time.Since(start))
+	if s.log.Enabled(rctx, slog.LevelDebug) {
+		s.log.Debug("CNI event handled", attrs("outcome", outcome, "took", time.Since(start))...)
+	}
 	s.reply(uc, outcome, "")
 }
 

@@ -35,7 +35,7 @@ func run() error {
 	fs.StringVar(&cfg.Kubeconfig, "kubeconfig", "", "kubeconfig to use instead of the in-cluster service account")
 	fs.StringVar(&cfg.ZDSSocket, "zds-socket", zds.DefaultSocketPath, "the ZDS socket ztunnel connects to")
 	fs.StringVar(&cfg.CNISocket, "cni-socket", cnievent.DefaultSocketPath, "the socket the inpod-cni plugin talks to")
-	fs.StringVar(&cfg.CNIBinarySource, "cni-binary", "/opt/inpod/bin/inpod-cni", "the inpod-cni binary to install on the node")
+	fs.StringVar(&cfg.CNISourceDir, "cni-source-dir", "/opt/inpod/bin", "where the agent's image holds inpod-cni and inpod-cni-apicheck, installed on the node")
 	fs.StringVar(&cfg.CNIBinDir, "cni-bin-dir", "/opt/cni/bin", "the node's CNI plugin directory")
 	fs.StringVar(&cfg.CNIConfDir, "cni-conf-dir", "/etc/cni/net.d", "the node's CNI configuration directory")
 	fs.BoolVar(&cfg.InstallCNI, "install-cni", true, "install inpod-cni and keep it chained last in the primary configuration")

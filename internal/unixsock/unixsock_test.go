@@ -1,0 +1,96 @@
+package unixsock_test
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/inpod-dev/inpod/internal/unixsock"
+)
+
+func TestServeKeepsAcceptingWhileAHandlerIsBusy(t *testing.T) {
+	dir, err := os.MkdirTemp("", "unixsock-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	path := filepath.Join(dir, "run", "s.sock")
+	ln, err := unixsock.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("socket mode: %v %v", fi.Mode(), err)
+	}
+	if fi, err := os.Stat(filepath.Dir(path)); err != nil || fi.Mode().Perm() != 0o700 {
+		t.Fatalf("socket dir mode: %v %v", fi.Mode(), err)
+	}
+	release := make(chan struct{})
+	// Each connection says whether it should block; the handler echoes
+	// the byte back once done.
+	handle := func(uc *net.UnixConn) {
+		defer uc.Close()
+		b := make([]byte, 1)
+		if _, err := io.ReadFull(uc, b); err != nil {
+			return
+		}
+		if b[0] == 'b' {
+			<-release
+		}
+		uc.Write(b)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- unixsock.Serve(ctx, ln, slog.Default(), handle) }()
+
+	call := func(b byte) (net.Conn, error) {
+		c, err := net.Dial("unix", path)
+		if err != nil {
+			return nil, err
+		}
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		_, err = c.Write([]byte{b})
+		return c, err
+	}
+	answer := func(c net.Conn) byte {
+		b := make([]byte, 1)
+		if _, err := io.ReadFull(c, b); err != nil {
+			t.Fatal(err)
+		}
+		return b[0]
+	}
+	blocked, err := call('b')
+	if err != nil {
+		t.Fatal(err)
+	}
+	// While one handler is held, others are served, by reused goroutines
+	// as well as new ones.
+	for i := range 20 {
+		c, err := call(byte('0' + i%10))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := answer(c); got != byte('0'+i%10) {
+			t.Fatalf("answer %q", got)
+		}
+		c.Close()
+	}
+	close(release)
+	if got := answer(blocked); got != 'b' {
+		t.Fatalf("held connection answered %q", got)
+	}
+	cancel()
+	select {
+	case err := <-served:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Serve did not return after its context ended")
+	}
+}

@@ -1,0 +1,124 @@
+package apicheck_test
+
+import (
+	"context"
+	"encoding/json"
+	"encoding/pem"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/inpod-dev/inpod/plugin/apicheck"
+)
+
+// fakeAPI answers GETs of pods and namespaces with their labels, over TLS,
+// and refuses anything without the test token, like the API server.
+func fakeAPI(t *testing.T, pods, namespaces map[string]map[string]string) *apicheck.Access {
+	t.Helper()
+	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("Authorization") != "Bearer test-token" {
+			w.WriteHeader(http.StatusUnauthorized)
+			json.NewEncoder(w).Encode(map[string]any{"kind": "Status", "message": "Unauthorized"})
+			return
+		}
+		parts := strings.Split(strings.Trim(r.URL.Path, "/"), "/")
+		var labels map[string]string
+		var ok bool
+		switch {
+		case len(parts) == 6 && parts[4] == "pods":
+			labels, ok = pods[parts[3]+"/"+parts[5]]
+		case len(parts) == 4:
+			labels, ok = namespaces[parts[3]]
+		}
+		if !ok {
+			w.WriteHeader(http.StatusNotFound)
+			json.NewEncoder(w).Encode(map[string]any{"kind": "Status", "message": r.URL.Path + " not found"})
+			return
+		}
+		json.NewEncoder(w).Encode(map[string]any{"metadata": map[string]any{"labels": labels}})
+	}))
+	t.Cleanup(srv.Close)
+	ca := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw})
+	return &apicheck.Access{Server: srv.URL, CAData: ca, Token: "test-token"}
+}
+
+func TestDecideAppliesTheAgentsRules(t *testing.T) {
+	ambient := map[string]string{apicheck.DataplaneModeLabel: apicheck.DataplaneAmbient}
+	none := map[string]string{apicheck.DataplaneModeLabel: apicheck.DataplaneNone}
+	a := fakeAPI(t,
+		map[string]map[string]string{
+			"plain/opted-in": ambient, "plain/app": nil,
+			"mesh/app": {"app": "x"}, "mesh/opted-out": none,
+		},
+		map[string]map[string]string{"plain": nil, "mesh": ambient},
+	)
+	cases := []struct {
+		ns, name string
+		enrolled bool
+		reason   string
+	}{
+		{"plain", "opted-in", true, "pod label"},
+		{"plain", "app", false, ""},
+		{"mesh", "app", true, "namespace label"},
+		{"mesh", "opted-out", false, ""},
+	}
+	for _, tc := range cases {
+		v, err := apicheck.Decide(context.Background(), a, tc.ns, tc.name)
+		if err != nil {
+			t.Errorf("%s/%s: %v", tc.ns, tc.name, err)
+			continue
+		}
+		if v.Enrolled != tc.enrolled || !strings.Contains(v.Reason, tc.reason) {
+			t.Errorf("%s/%s: %+v, want enrolled=%v with a reason containing %q", tc.ns, tc.name, v, tc.enrolled, tc.reason)
+		}
+	}
+}
+
+// Anything short of an answer is an error, never "not enrolled": the plugin
+// fails the ADD closed on it.
+func TestDecideErrorsInsteadOfGuessing(t *testing.T) {
+	a := fakeAPI(t, map[string]map[string]string{"ns/app": nil}, nil)
+	if _, err := apicheck.Decide(context.Background(), a, "ns", "gone"); err == nil || !strings.Contains(err.Error(), "404") || !strings.Contains(err.Error(), "not found") {
+		t.Errorf("unknown pod: %v", err)
+	}
+	if _, err := apicheck.Decide(context.Background(), a, "ns", "app"); err == nil || !strings.Contains(err.Error(), "namespaces/ns") {
+		t.Errorf("pod whose namespace cannot be read: %v", err)
+	}
+	wrongToken := *a
+	wrongToken.Token = "stale"
+	if _, err := apicheck.Decide(context.Background(), &wrongToken, "ns", "app"); err == nil || !strings.Contains(err.Error(), "401") {
+		t.Errorf("rejected token: %v", err)
+	}
+	otherCA := *a
+	otherCA.CAData = nil
+	if _, err := apicheck.Decide(context.Background(), &otherCA, "ns", "app"); err == nil || !strings.Contains(err.Error(), "certificate") {
+		t.Errorf("server certificate not signed by the given CA: %v", err)
+	}
+	garbageCA := *a
+	garbageCA.CAData = []byte("not pem")
+	if _, err := apicheck.Decide(context.Background(), &garbageCA, "ns", "app"); err == nil || !strings.Contains(err.Error(), "caData") {
+		t.Errorf("garbage caData: %v", err)
+	}
+}
+
+func TestReadAccessNamesTheBadField(t *testing.T) {
+	dir := t.TempDir()
+	cases := map[string]string{
+		`{"server":"http://10.0.0.1","token":"t"}`: `"server"`,
+		`{"server":"https://10.0.0.1"}`:            `"token"`,
+		`{"server":`:                               "access.json",
+	}
+	for content, want := range cases {
+		path := filepath.Join(dir, "access.json")
+		os.WriteFile(path, []byte(content), 0o600)
+		if _, err := apicheck.ReadAccess(path); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("ReadAccess(%s) = %v, want an error containing %s", content, err, want)
+		}
+	}
+	if _, err := apicheck.ReadAccess(filepath.Join(dir, "missing.json")); err == nil {
+		t.Error("missing access file accepted")
+	}
+}
