@@ -34,6 +34,7 @@ import (
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/netns"
+	"github.com/inpod-dev/inpod/passlist"
 	"github.com/inpod-dev/inpod/zds"
 )
 
@@ -165,9 +166,15 @@ func (a *Agent) Run(ctx context.Context) error {
 	annotations := enroll.NewAnnotationWriter(client, a.log)
 	goRun("annotations", func() error { annotations.Run(ctx); return nil })
 
+	policy := enroll.Policy{ExcludedNamespaces: cfg.ExcludedNamespaces, Label: cfg.EnrollmentLabel}
+	passList, err := passlist.Open(filepath.Join(filepath.Dir(cfg.CNISocket), passListDir), pods.notEnrolled(policy), a.log)
+	if err != nil {
+		return err
+	}
+
 	var zdsServer *zds.Server
 	a.pipeline = enroll.New(enroll.Config{
-		Policy:      enroll.Policy{ExcludedNamespaces: cfg.ExcludedNamespaces, Label: cfg.EnrollmentLabel},
+		Policy:      policy,
 		Options:     redirect.Options{DNSCapture: cfg.DNSCapture},
 		Rules:       engine,
 		Probes:      probes,
@@ -203,7 +210,7 @@ func (a *Agent) Run(ctx context.Context) error {
 			SourceDir: cfg.CNISourceDir, BinDir: cfg.CNIBinDir, ConfDir: cfg.CNIConfDir,
 			StateDir: filepath.Join(cfg.StateDir, "cni"), Logger: a.log,
 			Entry: cniinstall.Entry{AgentSocket: cfg.CNISocket, ExcludeNamespaces: cfg.ExcludedNamespaces,
-				APIAccess: filepath.Join(cfg.CNIConfDir, apiAccessFile)},
+				APIAccess: filepath.Join(cfg.CNIConfDir, apiAccessFile), PassList: filepath.Join(filepath.Dir(cfg.CNISocket), passListDir)},
 			OnChange: func(ok bool, reason string) {
 				// Installed again after having been installed: a repair.
 				// The first install at start is not one.
@@ -225,14 +232,22 @@ func (a *Agent) Run(ctx context.Context) error {
 	// Reconcile pods through a rate-limited queue, so failures retry with
 	// backoff and one pod never blocks another.
 	queue := workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[types.NamespacedName]())
-	podInf.Core().V1().Pods().Informer().AddEventHandler(handlerFuncs(
-		func(obj any) { enqueuePod(queue, obj) },
-		func(obj any) { enqueuePod(queue, obj) },
-	))
+	// The pass list is refreshed right in the handlers, not through the
+	// queue: a pod that turns enrolled must leave it before its sandbox's
+	// ADD can read it.
+	podChanged := func(obj any) {
+		if key, ok := podKey(obj); ok {
+			a.refreshPassList(passList, key)
+			queue.Add(key)
+		}
+	}
+	podInf.Core().V1().Pods().Informer().AddEventHandler(handlerFuncs(podChanged, podChanged))
 	nsInf.Core().V1().Namespaces().Informer().AddEventHandler(handlerFuncs(func(obj any) {
 		if ns, ok := obj.(*corev1.Namespace); ok {
 			for _, p := range pods.podsOfNamespace(ns.Name) {
-				queue.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
+				key := types.NamespacedName{Namespace: p.Namespace, Name: p.Name}
+				a.refreshPassList(passList, key)
+				queue.Add(key)
 			}
 		}
 	}, func(any) {}))
@@ -246,6 +261,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	// found and its rules verified, so the first snapshot is complete.
 	a.restore(ctx, pods, probes)
 	a.Ready.Set(readiness.PodsSynced, true, "")
+	goRun("pass list", func() error { return passList.Run(ctx) })
 	go func() {
 		<-ctx.Done()
 		queue.ShutDown()
@@ -342,12 +358,25 @@ func (a *Agent) reconcileOne(ctx context.Context, key types.NamespacedName, pods
 	return a.pipeline.Reconcile(ctx, pod)
 }
 
-func enqueuePod(q workqueue.TypedRateLimitingInterface[types.NamespacedName], obj any) {
+func podKey(obj any) (types.NamespacedName, bool) {
 	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 		obj = d.Obj
 	}
-	if p, ok := obj.(*corev1.Pod); ok {
-		q.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
+	p, ok := obj.(*corev1.Pod)
+	if !ok {
+		return types.NamespacedName{}, false
+	}
+	return types.NamespacedName{Namespace: p.Namespace, Name: p.Name}, true
+}
+
+// passListDir, next to the CNI socket, holds the pass list.
+const passListDir = "not-enrolled"
+
+func (a *Agent) refreshPassList(l *passlist.List, key types.NamespacedName) {
+	if err := l.Refresh(key.Namespace, key.Name); err != nil {
+		// The pod's ADD then asks the agent, or passes on a stale entry
+		// only if this was a removal; say so loudly.
+		a.log.Error("could not update the pass list", "pod", key, "err", err)
 	}
 }
 

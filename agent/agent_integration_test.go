@@ -34,6 +34,7 @@ import (
 	"github.com/inpod-dev/inpod/e2e/ztunnel"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
+	"github.com/inpod-dev/inpod/passlist"
 	"github.com/inpod-dev/inpod/plugin/plugintest"
 )
 
@@ -271,8 +272,15 @@ func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
 	}
 	w.eventually("the enabled annotation", func() bool { return w.annotation(meshPod) == enroll.AnnotationEnabled })
 
-	// A pod in a namespace that is not enrolled gets nothing.
+	// A pod in a namespace that is not enrolled gets nothing. The agent
+	// lists it for the plugin as not enrolled, so its ADD asks nobody;
+	// the enrolled pod is never listed.
 	plainPod, plainNS := w.pod("plain", "b")
+	passList := filepath.Join(filepath.Dir(w.cfg.CNISocket), "not-enrolled")
+	w.eventually("the plain pod on the pass list", func() bool { return passlist.Passes(passList, "plain", "b", string(plainPod.UID)) })
+	if passlist.Passes(passList, "mesh", "a", string(meshPod.UID)) {
+		t.Fatal("an enrolled pod is on the pass list")
+	}
 	res, err := w.cniAdd(plainPod, plainNS)
 	if err != nil {
 		t.Fatalf("CNI ADD of a pod that is not enrolled: %v", err)
@@ -294,9 +302,9 @@ func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
 	if _, err := w.client.CoreV1().Namespaces().Update(ctx, ns, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	w.eventually("the labelled namespace's pod enrolled", func() bool {
+	w.eventually("the labelled namespace's pod enrolled and off the pass list", func() bool {
 		_, ok := w.standin.Workloads()[string(plainPod.UID)]
-		return ok && hasRules(t, plainNS)
+		return ok && hasRules(t, plainNS) && !passlist.Passes(passList, "plain", "b", string(plainPod.UID))
 	})
 	w.eventually("its annotation", func() bool { return w.annotation(plainPod) == enroll.AnnotationEnabled })
 

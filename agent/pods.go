@@ -13,6 +13,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 	listersv1 "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
+
+	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/passlist"
 )
 
 // podCache answers the pipeline from the informers: the pods of this node
@@ -57,6 +60,22 @@ func (c *podCache) Pod(ctx context.Context, namespace, name string) (*corev1.Pod
 
 func (c *podCache) Namespace(name string) (*corev1.Namespace, error) {
 	return c.namespaces.Get(name)
+}
+
+// notEnrolled decides, from the cache, whether a pod is known not to be
+// enrolled: a pod whose namespace the cache lacks is not known.
+func (c *podCache) notEnrolled(policy enroll.Policy) passlist.Decide {
+	return func(namespace, name string) (string, bool, bool) {
+		pod, err := c.pods.Pods(namespace).Get(name)
+		if err != nil {
+			return "", false, false
+		}
+		ns, err := c.namespaces.Get(namespace)
+		if err != nil {
+			return string(pod.UID), false, true
+		}
+		return string(pod.UID), !policy.Enrolled(pod, ns), true
+	}
 }
 
 // podsOfNamespace lists this node's pods in a namespace from the cache.

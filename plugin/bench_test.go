@@ -15,25 +15,28 @@ import (
 	"github.com/inpod-dev/inpod/cnievent"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
+	"github.com/inpod-dev/inpod/passlist"
 	"github.com/inpod-dev/inpod/plugin"
 )
 
 // startAgentProcess runs the agent's CNI event server in a process of its
-// own, as on a node, answering "not enrolled".
-func startAgentProcess(b *testing.B, dir, socket string) {
+// own, as on a node, answering "not enrolled", and its pass list listing
+// the benchmark's pod.
+func startAgentProcess(b *testing.B, dir, socket, passList string) {
 	bin := filepath.Join(dir, "notenrolled")
 	build := exec.Command("go", "build", "-o", bin, "./testdata/notenrolled")
 	if out, err := build.CombinedOutput(); err != nil {
 		b.Fatalf("build the agent stand-in: %v: %s", err, out)
 	}
-	cmd := exec.Command(bin, socket)
+	cmd := exec.Command(bin, socket, passList, "default/bench", "u1")
 	cmd.Stderr = os.Stderr
 	if err := cmd.Start(); err != nil {
 		b.Fatal(err)
 	}
 	b.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		if _, err := cnievent.Send(context.Background(), socket, &cnievent.Request{Command: cnievent.Add}); err == nil {
+		_, err := cnievent.Send(context.Background(), socket, &cnievent.Request{Command: cnievent.Add})
+		if err == nil && passlist.Passes(passList, "default", "bench", "u1") {
 			return
 		}
 		if time.Now().After(deadline) {
@@ -66,10 +69,12 @@ func execPlugin(b *testing.B, node *os.File, bin, command, podNetns, containerID
 }
 
 // BenchmarkPassThroughAdd measures inpod-cni's ADD for a pod that is not
-// enrolled — once answered by a real agent socket, once in an excluded
-// namespace decided without asking — next to two baselines in the same
-// loop: a minimal Go program that only echoes prevResult (the exec floor)
-// and the reference bridge plugin's ADD into a fresh pod netns.
+// enrolled, three ways: listed on the agent's pass list (the common case: the
+// agent has seen the pod by the time its sandbox starts), not listed so the
+// plugin asks the agent over its socket, and in an excluded namespace. Two
+// baselines run in the same loop: a minimal Go program that only echoes
+// prevResult (the exec floor) and the reference bridge plugin's ADD into a
+// fresh pod netns.
 func BenchmarkPassThroughAdd(b *testing.B) {
 	dir := pluginDir(b)
 	echo := filepath.Join(dir, "echo")
@@ -92,24 +97,34 @@ func BenchmarkPassThroughAdd(b *testing.B) {
 	node := netnstest.New(b)
 	nodeFile := node.Open(b)
 	socket := filepath.Join(b.TempDir(), "cni.sock")
-	startAgentProcess(b, dir, socket)
+	passList := filepath.Join(b.TempDir(), "not-enrolled")
+	startAgentProcess(b, dir, socket, passList)
 	ipamDir := b.TempDir()
 	bridgeConf, _ := json.Marshal(map[string]any{"cniVersion": "1.0.0", "name": "bench", "type": "bridge", "bridge": "bbr0",
 		"ipam": map[string]any{"type": "host-local", "subnet": "198.51.100.0/24", "dataDir": ipamDir}})
 	prev := []byte(`{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/var/run/netns/x"}],"ips":[{"address":"198.51.100.7/24","interface":0}]}`)
-	inpodConf := []byte(fmt.Sprintf(`{"cniVersion":"1.0.0","name":"bench","type":"inpod-cni","agentSocket":%q,"prevResult":%s}`, socket, prev))
+	listedConf := []byte(fmt.Sprintf(`{"cniVersion":"1.0.0","name":"bench","type":"inpod-cni","agentSocket":%q,"passList":%q,"prevResult":%s}`, socket, passList, prev))
+	// The same pod without the pass list: the plugin asks the agent.
+	asksConf := []byte(fmt.Sprintf(`{"cniVersion":"1.0.0","name":"bench","type":"inpod-cni","agentSocket":%q,"prevResult":%s}`, socket, prev))
 	// The same pod in an excluded namespace: decided without the agent.
 	excludedConf := []byte(fmt.Sprintf(`{"cniVersion":"1.0.0","name":"bench","type":"inpod-cni","agentSocket":%q,"excludeNamespaces":["default"],"prevResult":%s}`, socket, prev))
 
-	var echoT, inpodT, excludedT, bridgeT []time.Duration
+	var echoT, listedT, asksT, excludedT, bridgeT []time.Duration
 	runs := []func(i int){
 		func(int) {
-			_, d := execPlugin(b, nodeFile, echo, "ADD", "/var/run/netns/x", "c", inpodConf)
+			_, d := execPlugin(b, nodeFile, echo, "ADD", "/var/run/netns/x", "c", listedConf)
 			echoT = append(echoT, d)
 		},
 		func(int) {
-			out, d := execPlugin(b, nodeFile, stripped, "ADD", "/var/run/netns/x", "c", inpodConf)
-			inpodT = append(inpodT, d)
+			out, d := execPlugin(b, nodeFile, stripped, "ADD", "/var/run/netns/x", "c", listedConf)
+			listedT = append(listedT, d)
+			if !bytes.Equal(out, prev) {
+				b.Fatalf("inpod-cni changed prevResult: %s", out)
+			}
+		},
+		func(int) {
+			out, d := execPlugin(b, nodeFile, stripped, "ADD", "/var/run/netns/x", "c", asksConf)
+			asksT = append(asksT, d)
 			if !bytes.Equal(out, prev) {
 				b.Fatalf("inpod-cni changed prevResult: %s", out)
 			}
@@ -144,10 +159,12 @@ func BenchmarkPassThroughAdd(b *testing.B) {
 	b.ReportMetric(float64(fi.Size())/(1<<20), "inpod-cni-MiB")
 	b.ReportMetric(float64(helper.Size())/(1<<20), "apicheck-MiB")
 	b.ReportMetric(med(echoT), "echo-floor-ms")
-	b.ReportMetric(med(inpodT), "inpod-passthrough-ms")
+	b.ReportMetric(med(listedT), "inpod-passthrough-ms")
+	b.ReportMetric(med(asksT), "inpod-asks-agent-ms")
 	b.ReportMetric(med(excludedT), "inpod-excluded-ms")
 	b.ReportMetric(med(bridgeT), "bridge-add-ms")
-	b.ReportMetric(med(inpodT)/med(echoT), "inpod/floor-ratio")
+	b.ReportMetric(med(listedT)/med(echoT), "inpod/floor-ratio")
+	b.ReportMetric(med(asksT)/med(echoT), "inpod-asks-agent/floor-ratio")
 	b.ReportMetric(med(excludedT)/med(echoT), "inpod-excluded/floor-ratio")
-	b.ReportMetric(med(inpodT)/med(bridgeT), "inpod/bridge-ratio")
+	b.ReportMetric(med(listedT)/med(bridgeT), "inpod/bridge-ratio")
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"encoding/pem"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -13,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/containernetworking/cni/libcni"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
@@ -21,6 +23,7 @@ import (
 	"github.com/inpod-dev/inpod/cnievent"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
+	"github.com/inpod-dev/inpod/passlist"
 	"github.com/inpod-dev/inpod/plugin"
 	"github.com/inpod-dev/inpod/plugin/apicheck"
 	"github.com/inpod-dev/inpod/plugin/plugintest"
@@ -168,12 +171,18 @@ func newChain(t *testing.T, apiAccess string) *chain {
 // setAPIAccess points the plugin's entry at an API access file.
 func (c *chain) setAPIAccess(t *testing.T, path string) {
 	t.Helper()
+	c.setEntry(t, "apiAccess", path)
+}
+
+// setEntry sets a field of the plugin's entry.
+func (c *chain) setEntry(t *testing.T, field string, value any) {
+	t.Helper()
 	var conf map[string]any
 	if err := json.Unmarshal(c.list.Bytes, &conf); err != nil {
 		t.Fatal(err)
 	}
 	plugins := conf["plugins"].([]any)
-	plugins[len(plugins)-1].(map[string]any)["apiAccess"] = path
+	plugins[len(plugins)-1].(map[string]any)[field] = value
 	data, _ := json.Marshal(conf)
 	list, err := libcni.ConfListFromBytes(data)
 	if err != nil {
@@ -365,6 +374,63 @@ func TestAgentDownFailsEnrolledAndPassesOthers(t *testing.T) {
 		if err := c.del(rt); err != nil {
 			t.Errorf("DEL with the agent down: %v", err)
 		}
+	}
+}
+
+func TestPassListSkipsTheAgentOnlyForListedPodsWhileTheAgentLives(t *testing.T) {
+	c := newChain(t, "")
+	a := &agent{verdict: enrolledIf}
+	startAgent(t, c.socket, a)
+	dir := filepath.Join(t.TempDir(), "not-enrolled")
+	list, err := passlist.Open(dir, func(_, name string) (string, bool, bool) {
+		return "uid-" + name, !strings.HasPrefix(name, "mesh-"), true
+	}, slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"plain", "mesh-1", "reused"} {
+		list.Refresh("default", name)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	beating := make(chan struct{})
+	go func() { list.Run(ctx); close(beating) }()
+	t.Cleanup(func() { cancel(); <-beating })
+	for deadline := time.Now().Add(5 * time.Second); !passlist.Passes(dir, "default", "plain", "uid-plain"); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the pass list never became live")
+		}
+	}
+	c.setEntry(t, "passList", dir)
+	asked := func(rt *libcni.RuntimeConf) bool {
+		t.Helper()
+		before := len(a.requests())
+		if _, err := c.add(rt); err != nil {
+			t.Fatalf("ADD %v: %v", rt.Args, err)
+		}
+		return len(a.requests()) > before
+	}
+
+	if asked(c.rt(netnstest.New(t), "default", "plain")) {
+		t.Error("the agent was asked about a pod on its pass list")
+	}
+	if !asked(c.rt(netnstest.New(t), "default", "mesh-1")) {
+		t.Error("an enrolled pod passed without the agent")
+	}
+	if !asked(c.rt(netnstest.New(t), "default", "unlisted")) {
+		t.Error("a pod the agent has not listed passed without it")
+	}
+	other := c.rt(netnstest.New(t), "default", "reused")
+	other.Args[3][1] = "uid-of-a-newer-pod"
+	if !asked(other) {
+		t.Error("a sandbox of another pod with a listed name passed without the agent")
+	}
+	// The agent stops: its list is withdrawn with it.
+	cancel()
+	<-beating
+	again := c.rt(netnstest.New(t), "default", "plain")
+	again.ContainerID = "c-plain-again"
+	if !asked(again) {
+		t.Error("a stopped agent's pass list was still trusted")
 	}
 }
 

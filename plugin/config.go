@@ -50,6 +50,9 @@ type Config struct {
 	// address and credentials, used only to decide enrollment while the
 	// agent cannot be reached.
 	APIAccess string `json:"apiAccess,omitempty"`
+	// PassList is the agent's list of pods it knows are not enrolled
+	// (package passlist); their ADD passes without asking the agent.
+	PassList string `json:"passList,omitempty"`
 
 	timeout time.Duration
 }

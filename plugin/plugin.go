@@ -13,6 +13,7 @@ import (
 	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/passlist"
 )
 
 // Plugin holds what the commands need from outside, so tests can run them
@@ -115,6 +116,10 @@ func (p *Plugin) GC(args *skel.CmdArgs) error {
 func (p *Plugin) handle(conf *Config, k k8sArgs, cmd cnievent.Command, args *skel.CmdArgs, ips []string) error {
 	if k.Name == "" || k.Namespace == "" || conf.excluded(k.Namespace) {
 		// Not a Kubernetes pod, or one inpod never enrolls.
+		return nil
+	}
+	if conf.PassList != "" && passlist.Passes(conf.PassList, k.Namespace, k.Name, k.UID) {
+		// The live agent has already classified the pod as not enrolled.
 		return nil
 	}
 	pod := k.Namespace + "/" + k.Name

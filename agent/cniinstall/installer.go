@@ -36,6 +36,7 @@ type Entry struct {
 	AgentSocket       string   `json:"agentSocket,omitempty"`
 	ExcludeNamespaces []string `json:"excludeNamespaces,omitempty"`
 	APIAccess         string   `json:"apiAccess,omitempty"`
+	PassList          string   `json:"passList,omitempty"`
 	Timeout           string   `json:"timeout,omitempty"`
 }
 
