@@ -64,7 +64,11 @@ func Passes(dir, namespace, name, uid string) bool {
 		return false
 	}
 	fi, err := os.Stat(filepath.Join(dir, aliveFile))
-	if err != nil || time.Since(fi.ModTime()) > MaxAge {
+	if err != nil {
+		return false
+	}
+	// A heartbeat from the future (the clock was set back) proves nothing.
+	if age := time.Since(fi.ModTime()); age > MaxAge || age < -MaxAge {
 		return false
 	}
 	have, err := os.ReadFile(filepath.Join(dir, entry))

@@ -137,8 +137,16 @@ func TestListIsTrustedOnlyWhileTheAgentBeats(t *testing.T) {
 	if passlist.Passes(dir, "plain", "app", "u1") {
 		t.Fatal("passes on an old heartbeat")
 	}
+	future := time.Now().Add(passlist.MaxAge + time.Minute)
+	os.Chtimes(alive, future, future)
+	if passlist.Passes(dir, "plain", "app", "u1") {
+		t.Fatal("passes on a heartbeat from the future (clock set back)")
+	}
 	now := time.Now()
 	os.Chtimes(alive, now, now)
+	if !passlist.Passes(dir, "plain", "app", "u1") {
+		t.Fatal("does not pass after the heartbeat is renewed")
+	}
 	// A stopped agent withdraws the heartbeat.
 	cancel()
 	<-done

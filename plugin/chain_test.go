@@ -3,12 +3,9 @@ package plugin_test
 import (
 	"context"
 	"encoding/json"
-	"encoding/pem"
 	"fmt"
 	"log/slog"
 	"net"
-	"net/http"
-	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -26,6 +23,7 @@ import (
 	"github.com/inpod-dev/inpod/passlist"
 	"github.com/inpod-dev/inpod/plugin"
 	"github.com/inpod-dev/inpod/plugin/apicheck"
+	"github.com/inpod-dev/inpod/plugin/apicheck/apichecktest"
 	"github.com/inpod-dev/inpod/plugin/plugintest"
 )
 
@@ -296,42 +294,21 @@ func TestChainPassesNonEnrolledAndGatesEnrolledOnTheAgent(t *testing.T) {
 }
 
 // fakeAPI serves pod and namespace labels the way the API server does,
-// listening inside the node netns where the plugin runs.
+// listening inside the node netns where the plugin runs, and returns the
+// access file for it.
 func fakeAPI(t *testing.T, node *os.File, podLabels, nsLabels map[string]map[string]string) string {
 	t.Helper()
-	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Header.Get("Authorization") != "Bearer test-token" {
-			http.Error(w, "unauthorized", http.StatusUnauthorized)
-			return
-		}
-		parts := strings.Split(strings.Trim(r.URL.Path, "/"), "/")
-		var labels map[string]string
-		var ok bool
-		switch {
-		case len(parts) == 6 && parts[4] == "pods":
-			labels, ok = podLabels[parts[3]+"/"+parts[5]]
-		case len(parts) == 4:
-			labels, ok = nsLabels[parts[3]]
-		}
-		if !ok {
-			http.NotFound(w, r)
-			return
-		}
-		json.NewEncoder(w).Encode(map[string]any{"metadata": map[string]any{"labels": labels}})
-	}))
-	srv.Listener.Close()
+	var ln net.Listener
 	if err := netns.Do(node, func() error {
 		var err error
-		srv.Listener, err = net.Listen("tcp", "127.0.0.1:0")
+		ln, err = net.Listen("tcp", "127.0.0.1:0")
 		return err
 	}); err != nil {
 		t.Fatal(err)
 	}
-	srv.StartTLS()
-	t.Cleanup(srv.Close)
-	ca := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw})
+	access := apichecktest.Serve(t, ln, podLabels, nsLabels)
 	path := filepath.Join(t.TempDir(), "api-access.json")
-	data, _ := json.Marshal(apicheck.Access{Server: srv.URL, CAData: ca, Token: "test-token"})
+	data, _ := json.Marshal(access)
 	if err := os.WriteFile(path, data, 0o600); err != nil {
 		t.Fatal(err)
 	}

@@ -2,47 +2,17 @@ package apicheck_test
 
 import (
 	"context"
-	"encoding/json"
-	"encoding/pem"
-	"net/http"
-	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/inpod-dev/inpod/plugin/apicheck"
+	"github.com/inpod-dev/inpod/plugin/apicheck/apichecktest"
 )
 
-// fakeAPI answers GETs of pods and namespaces with their labels, over TLS,
-// and refuses anything without the test token, like the API server.
 func fakeAPI(t *testing.T, pods, namespaces map[string]map[string]string) *apicheck.Access {
-	t.Helper()
-	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Header.Get("Authorization") != "Bearer test-token" {
-			w.WriteHeader(http.StatusUnauthorized)
-			json.NewEncoder(w).Encode(map[string]any{"kind": "Status", "message": "Unauthorized"})
-			return
-		}
-		parts := strings.Split(strings.Trim(r.URL.Path, "/"), "/")
-		var labels map[string]string
-		var ok bool
-		switch {
-		case len(parts) == 6 && parts[4] == "pods":
-			labels, ok = pods[parts[3]+"/"+parts[5]]
-		case len(parts) == 4:
-			labels, ok = namespaces[parts[3]]
-		}
-		if !ok {
-			w.WriteHeader(http.StatusNotFound)
-			json.NewEncoder(w).Encode(map[string]any{"kind": "Status", "message": r.URL.Path + " not found"})
-			return
-		}
-		json.NewEncoder(w).Encode(map[string]any{"metadata": map[string]any{"labels": labels}})
-	}))
-	t.Cleanup(srv.Close)
-	ca := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw})
-	return &apicheck.Access{Server: srv.URL, CAData: ca, Token: "test-token"}
+	return apichecktest.Serve(t, nil, pods, namespaces)
 }
 
 func TestDecideAppliesTheAgentsRules(t *testing.T) {
