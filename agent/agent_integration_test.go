@@ -199,6 +199,13 @@ func (w *world) pod(namespace, name string) (*corev1.Pod, *netnstest.NetNS) {
 // node netns, as a runtime would.
 func (w *world) cniAdd(pod *corev1.Pod, sandbox *netnstest.NetNS) (*types100.Result, error) {
 	w.t.Helper()
+	return w.cni("ADD", pod, sandbox, "c-"+pod.Name)
+}
+
+// cni runs ADD or DEL of the node's installed chain for one sandbox of the
+// pod, in the node netns, as a runtime would.
+func (w *world) cni(op string, pod *corev1.Pod, sandbox *netnstest.NetNS, containerID string) (*types100.Result, error) {
+	w.t.Helper()
 	files, _ := filepath.Glob(filepath.Join(w.confDir, "*.conflist"))
 	if len(files) != 1 {
 		w.t.Fatalf("conflists: %v", files)
@@ -207,11 +214,14 @@ func (w *world) cniAdd(pod *corev1.Pod, sandbox *netnstest.NetNS) (*types100.Res
 	if err != nil {
 		w.t.Fatal(err)
 	}
-	cni := libcni.NewCNIConfigWithCacheDir([]string{w.binDir}, filepath.Join(w.t.TempDir(), "cache"), nil)
-	rt := &libcni.RuntimeConf{ContainerID: "c-" + pod.Name, NetNS: sandbox.Path, IfName: "eth0",
+	cni := libcni.NewCNIConfigWithCacheDir([]string{w.binDir}, filepath.Join(w.confDir, "..", "cni-cache"), nil)
+	rt := &libcni.RuntimeConf{ContainerID: containerID, NetNS: sandbox.Path, IfName: "eth0",
 		Args: [][2]string{{"IgnoreUnknown", "1"}, {"K8S_POD_NAMESPACE", pod.Namespace}, {"K8S_POD_NAME", pod.Name}, {"K8S_POD_UID", string(pod.UID)}}}
 	var res *types100.Result
 	err = netns.Do(w.nodeNS, func() error {
+		if op == "DEL" {
+			return cni.DelNetworkList(context.Background(), list, rt)
+		}
 		r, err := cni.AddNetworkList(context.Background(), list, rt)
 		if err != nil {
 			return err
@@ -252,6 +262,45 @@ func (w *world) annotation(pod *corev1.Pod) string {
 		return "error: " + err.Error()
 	}
 	return p.Annotations[enroll.RedirectionAnnotation]
+}
+
+// A pod whose sandbox is recreated (the runtime's ADD for the new one, then
+// the DEL for the old one, which may come in either order) stays enrolled
+// with the new netns; the old sandbox's DEL must not undo it.
+func TestIntegrationRecreatedSandboxSurvivesTheOldSandboxesDEL(t *testing.T) {
+	w := newWorld(t)
+	w.startInProcessAgent()
+	pod, first := w.pod("mesh", "recreated")
+	if _, err := w.cni("ADD", pod, first, "sandbox-1"); err != nil {
+		t.Fatal(err)
+	}
+	second := netnstest.New(t)
+	if _, err := w.cni("ADD", pod, second, "sandbox-2"); err != nil {
+		t.Fatalf("ADD for the recreated sandbox: %v", err)
+	}
+	secondID, err := netns.IdentityOfPath(second.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inZtunnel := func() (netns.Identity, bool) {
+		wl, ok := w.standin.Workloads()[string(pod.UID)]
+		return wl.NetNS, ok
+	}
+	if id, ok := inZtunnel(); !ok || id != secondID || !hasRules(t, second) {
+		t.Fatalf("after the second ADD ztunnel has netns %v (%v), want the new sandbox's %v; rules there: %v", id, ok, secondID, hasRules(t, second))
+	}
+	if _, err := w.cni("DEL", pod, first, "sandbox-1"); err != nil {
+		t.Fatalf("DEL of the old sandbox: %v", err)
+	}
+	if id, ok := inZtunnel(); !ok || id != secondID || !hasRules(t, second) {
+		t.Fatalf("the old sandbox's DEL undid the pod's enrollment (ztunnel: %v %v; rules: %v)", id, ok, hasRules(t, second))
+	}
+	if _, err := w.cni("DEL", pod, second, "sandbox-2"); err != nil {
+		t.Fatalf("DEL of the current sandbox: %v", err)
+	}
+	if _, ok := inZtunnel(); ok || hasRules(t, second) {
+		t.Fatal("the current sandbox's DEL left the pod enrolled")
+	}
 }
 
 func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
