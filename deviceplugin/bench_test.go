@@ -22,15 +22,27 @@ type emptySource struct{}
 
 func (emptySource) Snapshot(context.Context) ([]zds.Workload, error) { return nil, nil }
 
-// waitAllocatable waits on the stand-in's update signal, so the time
-// measured ends when the kubelet side received the update.
-func waitAllocatable(b *testing.B, k *kubelettest.Kubelet, want int) {
-	deadline := time.After(10 * time.Second)
-	for k.Allocatable(deviceplugin.DefaultResourceName) != want {
+// waitReceived waits for the kubelet stand-in to receive, at or after since,
+// an update with allocatable devices; the time measured ends when it
+// arrived.
+func waitReceived(b *testing.B, k *kubelettest.Kubelet, since time.Time, allocatable int, what string) kubelettest.Update {
+	u, ok := received(k, since, allocatable, 10*time.Second)
+	if !ok {
+		b.Fatalf("%s: the kubelet never received allocatable %d", what, allocatable)
+	}
+	return u
+}
+
+func received(k *kubelettest.Kubelet, since time.Time, allocatable int, within time.Duration) (kubelettest.Update, bool) {
+	deadline := time.After(within)
+	for {
+		if u, ok := k.FirstSince(deviceplugin.DefaultResourceName, since, allocatable); ok {
+			return u, true
+		}
 		select {
 		case <-k.Updates():
 		case <-deadline:
-			b.Fatalf("allocatable never became %d", want)
+			return kubelettest.Update{}, false
 		}
 	}
 }
@@ -82,9 +94,21 @@ func BenchmarkGateFlip(b *testing.B) {
 	for _, name := range []string{"inpod-cni", "inpod-cni-apicheck"} {
 		os.WriteFile(filepath.Join(image, name), []byte("binary"), 0o755)
 	}
+	repaired := make(chan time.Time, 1)
 	inst, err := cniinstall.New(cniinstall.Config{SourceDir: image, BinDir: filepath.Join(dir, "bin"), ConfDir: confDir,
 		StateDir: filepath.Join(dir, "state"), MaxRepairsPerMinute: 1 << 20, Logger: log,
-		OnChange: func(ok bool, reason string) { ready.Set(readiness.CNIInstalled, ok, reason) }})
+		OnChange: func(ok bool, reason string) {
+			// Stamped before readiness changes: the update it causes
+			// arrives after this.
+			at := time.Now()
+			ready.Set(readiness.CNIInstalled, ok, reason)
+			if ok {
+				select {
+				case repaired <- at:
+				default:
+				}
+			}
+		}})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -110,30 +134,51 @@ func BenchmarkGateFlip(b *testing.B) {
 		return func() { zcancel(); <-done }
 	}
 	stopZ := connect()
-	waitAllocatable(b, k, 8)
+	waitReceived(b, k, time.Time{}, 8, "start")
+	<-repaired // the first install
 
 	var zDown, zUp, cniDown, cniUp []time.Duration
+	unseen := 0
 	b.ResetTimer()
 	for range b.N {
 		start := time.Now()
 		stopZ()
-		waitAllocatable(b, k, 0)
-		zDown = append(zDown, time.Since(start))
+		down := waitReceived(b, k, start, 0, "ztunnel disconnected")
+		zDown = append(zDown, down.At.Sub(start))
 		start = time.Now()
 		stopZ = connect()
-		waitAllocatable(b, k, 8)
-		zUp = append(zUp, time.Since(start))
+		up := waitReceived(b, k, start, 8, "ztunnel reconnected")
+		zUp = append(zUp, up.At.Sub(start))
 
 		// Another CNI rewrites its file without inpod; the installer sees
 		// it, reports not installed, repairs, reports installed.
 		start = time.Now()
 		os.WriteFile(filepath.Join(confDir, "10-n.conflist"), original, 0o644)
-		waitAllocatable(b, k, 0)
-		cniDown = append(cniDown, time.Since(start))
-		waitAllocatable(b, k, 8)
-		cniUp = append(cniUp, time.Since(start))
+		var repairedAt time.Time
+		select {
+		case repairedAt = <-repaired:
+		case <-time.After(10 * time.Second):
+			b.Fatal("the installer never repaired the clobbered conflist")
+		}
+		// The device plugin sends the latest health: a repair faster than
+		// it can send the unhealthy state in between may reach the kubelet
+		// as no change at all. Counted, not timed. The stream is ordered,
+		// so once the healthy update that follows the repair is in, an
+		// unhealthy one sent before it is too.
+		healthy, sent := received(k, repairedAt, 8, 2*time.Second)
+		down, seen := k.FirstSince(deviceplugin.DefaultResourceName, start, 0)
+		if !sent || !seen || down.At.After(healthy.At) {
+			unseen++
+			continue
+		}
+		cniDown = append(cniDown, down.At.Sub(start))
+		cniUp = append(cniUp, healthy.At.Sub(start))
 	}
 	b.StopTimer()
+	b.ReportMetric(float64(unseen), "conflist-flips-too-brief-to-send")
+	if len(cniDown) == 0 {
+		b.Fatal("no conflist flip reached the kubelet")
+	}
 	stopZ()
 	report := func(name string, ds []time.Duration) {
 		s := slices.Clone(ds)

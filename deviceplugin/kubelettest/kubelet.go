@@ -43,6 +43,14 @@ type resource struct {
 	options  *pluginapi.DevicePluginOptions
 	// Received is when the latest ListAndWatch update arrived.
 	received time.Time
+	// history is every update's healthy count, in order of arrival.
+	history []Update
+}
+
+// Update is one ListAndWatch update as received.
+type Update struct {
+	At          time.Time
+	Allocatable int
 }
 
 // Start serves dir/kubelet.sock.
@@ -126,10 +134,15 @@ func (k *Kubelet) consume(name string, r *resource, stream grpc.ServerStreamingC
 		k.mu.Lock()
 		if k.resources[name] == r {
 			r.devices = map[string]string{}
+			healthy := 0
 			for _, d := range resp.Devices {
 				r.devices[d.ID] = d.Health
+				if d.Health == pluginapi.Healthy {
+					healthy++
+				}
 			}
 			r.received = time.Now()
+			r.history = append(r.history, Update{At: r.received, Allocatable: healthy})
 		}
 		k.mu.Unlock()
 		select {
@@ -137,6 +150,22 @@ func (k *Kubelet) consume(name string, r *resource, stream grpc.ServerStreamingC
 		default:
 		}
 	}
+}
+
+// FirstSince returns the first update received at or after since whose
+// healthy count is allocatable: unlike polling Allocatable, it sees a state
+// that a later update already replaced.
+func (k *Kubelet) FirstSince(name string, since time.Time, allocatable int) (Update, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if r := k.resources[name]; r != nil {
+		for _, u := range r.history {
+			if !u.At.Before(since) && u.Allocatable == allocatable {
+				return u, true
+			}
+		}
+	}
+	return Update{}, false
 }
 
 // Updates signals (coalesced) that a ListAndWatch update arrived.
