@@ -7,11 +7,9 @@ package agent
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 	"path/filepath"
 	"sync"
 	"time"
@@ -202,8 +200,11 @@ func (a *Agent) Run(ctx context.Context) error {
 	goRun("cni event server", func() error { return cniSrv.Serve(ctx) })
 
 	if cfg.InstallCNI {
-		if err := a.writeAPIAccess(restCfg); err != nil {
+		access := apiAccess{rest: restCfg, path: filepath.Join(cfg.CNIConfDir, apiAccessFile)}
+		if _, err := access.write(); err != nil {
 			a.log.Warn("no API access file for the plugin; while the agent is down it cannot tell enrolled pods apart and fails every pod's ADD", "err", err)
+		} else {
+			goRun("api access file", func() error { access.follow(ctx, a.log, time.Minute); return nil })
 		}
 		cniWasInstalled := false // OnChange calls are sequential
 		inst, err := cniinstall.New(cniinstall.Config{
@@ -413,46 +414,6 @@ func loadRestConfig(kubeconfig string) (*rest.Config, error) {
 		return nil, fmt.Errorf("agent: not in a cluster and no --kubeconfig: %w", err)
 	}
 	return cfg, nil
-}
-
-const apiAccessFile = "inpod-api-access.json"
-
-// writeAPIAccess gives the plugin what it needs to decide enrollment while
-// the agent is away: the API server, its CA and the agent's (read-only for
-// pods and namespaces) token. The file is 0600 and never read by runtimes
-// (not a CNI extension).
-func (a *Agent) writeAPIAccess(cfg *rest.Config) error {
-	token := cfg.BearerToken
-	if token == "" && cfg.BearerTokenFile != "" {
-		data, err := os.ReadFile(cfg.BearerTokenFile)
-		if err != nil {
-			return err
-		}
-		token = string(data)
-	}
-	if token == "" {
-		return errors.New("the agent authenticates without a bearer token")
-	}
-	ca := cfg.CAData
-	if len(ca) == 0 && cfg.CAFile != "" {
-		data, err := os.ReadFile(cfg.CAFile)
-		if err != nil {
-			return err
-		}
-		ca = data
-	}
-	data, err := json.Marshal(map[string]any{"server": cfg.Host, "caData": ca, "token": token})
-	if err != nil {
-		return err
-	}
-	if err := os.MkdirAll(a.cfg.CNIConfDir, 0o755); err != nil {
-		return err
-	}
-	tmp := filepath.Join(a.cfg.CNIConfDir, ".inpod-tmp-"+apiAccessFile)
-	if err := os.WriteFile(tmp, data, 0o600); err != nil {
-		return err
-	}
-	return os.Rename(tmp, filepath.Join(a.cfg.CNIConfDir, apiAccessFile))
 }
 
 // PodCached reports whether the agent's pod watch has delivered the pod;
