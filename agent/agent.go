@@ -200,7 +200,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	goRun("cni event server", func() error { return cniSrv.Serve(ctx) })
 
 	if cfg.InstallCNI {
-		access := apiAccess{rest: restCfg, path: filepath.Join(cfg.CNIConfDir, apiAccessFile)}
+		access := apiAccess{rest: restCfg, path: filepath.Join(cfg.CNIConfDir, apiAccessFile), label: cfg.EnrollmentLabel}
 		if _, err := access.write(); err != nil {
 			a.log.Warn("no API access file for the plugin; while the agent is down it cannot tell enrolled pods apart and fails every pod's ADD", "err", err)
 		} else {

@@ -25,6 +25,8 @@ const apiAccessFile = "inpod-api-access.json"
 type apiAccess struct {
 	rest *rest.Config
 	path string
+	// label is the agent's enrollment label, which the check applies.
+	label string
 }
 
 // write brings the file up to date, writing only when it changed.
@@ -50,7 +52,7 @@ func (w apiAccess) write() (changed bool, err error) {
 		}
 		ca = data
 	}
-	data, err := json.Marshal(apicheck.Access{Server: w.rest.Host, CAData: ca, Token: token})
+	data, err := json.Marshal(apicheck.Access{Server: w.rest.Host, CAData: ca, Token: token, EnrollmentLabel: w.label})
 	if err != nil {
 		return false, err
 	}

@@ -18,7 +18,8 @@ func TestAPIAccessFollowsTheRotatedToken(t *testing.T) {
 	w := apiAccess{
 		rest: &rest.Config{Host: "https://10.0.0.1:6443", BearerToken: "first", BearerTokenFile: tokenFile,
 			TLSClientConfig: rest.TLSClientConfig{CAData: []byte("-----BEGIN CERTIFICATE-----\n")}},
-		path: filepath.Join(dir, "net.d", apiAccessFile),
+		path:  filepath.Join(dir, "net.d", apiAccessFile),
+		label: "mesh.example.com/mode",
 	}
 	token := func() string {
 		t.Helper()
@@ -27,7 +28,7 @@ func TestAPIAccessFollowsTheRotatedToken(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if a.Server != "https://10.0.0.1:6443" || !strings.Contains(string(a.CAData), "CERTIFICATE") {
+		if a.Server != "https://10.0.0.1:6443" || !strings.Contains(string(a.CAData), "CERTIFICATE") || a.EnrollmentLabel != "mesh.example.com/mode" {
 			t.Fatalf("access file: %+v", a)
 		}
 		return a.Token

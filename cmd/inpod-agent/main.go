@@ -42,7 +42,7 @@ func run() error {
 	fs.StringVar(&cfg.StateDir, "state-dir", "/var/lib/inpod", "the agent's state on the node (backups of CNI files)")
 	fs.StringVar(&cfg.RedirectBackend, "redirect-backend", "auto", "auto, nftables, iptables-nft or iptables-legacy")
 	fs.BoolVar(&cfg.DNSCapture, "dns-capture", false, "send enrolled pods' DNS to ztunnel's DNS proxy (15053)")
-	fs.StringVar(&cfg.EnrollmentLabel, "enrollment-label", "istio.io/dataplane-mode", "pod and namespace label whose value ambient enrolls and none opts out (the plugin's agent-down fallback always reads Istio's)")
+	fs.StringVar(&cfg.EnrollmentLabel, "enrollment-label", "istio.io/dataplane-mode", "pod and namespace label whose value ambient enrolls and none opts out")
 	exclude := fs.String("exclude-namespaces", "kube-system", "comma-separated namespaces never enrolled")
 	fs.StringVar(&cfg.ProcRoot, "proc-root", "/proc", "the host's procfs (to find running pods' network namespaces)")
 	fs.StringVar(&cfg.HostNetNS, "host-netns", "/proc/self/ns/net", "the node's network namespace (for the kubelet probe rules and backend detection)")

@@ -29,9 +29,8 @@ import (
 	"time"
 )
 
-// Istio's enrollment labels. The check always reads Istio's label, even
-// when the agent runs with a different --enrollment-label: it has no other
-// way to know the agent's setting while the agent is down.
+// Istio's enrollment label and values; the agent may name another label
+// (Access.EnrollmentLabel), the values stay Istio's.
 const (
 	DataplaneModeLabel = "istio.io/dataplane-mode"
 	DataplaneAmbient   = "ambient"
@@ -46,6 +45,8 @@ type Access struct {
 	Server string `json:"server"`
 	CAData []byte `json:"caData"`
 	Token  string `json:"token"`
+	// EnrollmentLabel is the agent's --enrollment-label (empty: Istio's).
+	EnrollmentLabel string `json:"enrollmentLabel,omitempty"`
 }
 
 // ReadAccess reads and validates an access file.
@@ -83,13 +84,17 @@ func Decide(ctx context.Context, a *Access, namespace, name string) (Verdict, er
 	if err != nil {
 		return Verdict{}, err
 	}
+	label := a.EnrollmentLabel
+	if label == "" {
+		label = DataplaneModeLabel
+	}
 	podLabels, err := c.labels(ctx, "/api/v1/namespaces/"+url.PathEscape(namespace)+"/pods/"+url.PathEscape(name))
 	if err != nil {
 		return Verdict{}, err
 	}
-	switch podLabels[DataplaneModeLabel] {
+	switch podLabels[label] {
 	case DataplaneAmbient:
-		return Verdict{Enrolled: true, Reason: "pod label " + DataplaneModeLabel + "=" + DataplaneAmbient}, nil
+		return Verdict{Enrolled: true, Reason: "pod label " + label + "=" + DataplaneAmbient}, nil
 	case DataplaneNone:
 		return Verdict{}, nil
 	}
@@ -97,8 +102,8 @@ func Decide(ctx context.Context, a *Access, namespace, name string) (Verdict, er
 	if err != nil {
 		return Verdict{}, err
 	}
-	if nsLabels[DataplaneModeLabel] == DataplaneAmbient {
-		return Verdict{Enrolled: true, Reason: "namespace label " + DataplaneModeLabel + "=" + DataplaneAmbient}, nil
+	if nsLabels[label] == DataplaneAmbient {
+		return Verdict{Enrolled: true, Reason: "namespace label " + label + "=" + DataplaneAmbient}, nil
 	}
 	return Verdict{}, nil
 }

@@ -47,6 +47,25 @@ func TestDecideAppliesTheAgentsRules(t *testing.T) {
 	}
 }
 
+func TestDecideReadsTheAgentsEnrollmentLabel(t *testing.T) {
+	custom := map[string]string{"mesh.example.com/mode": apicheck.DataplaneAmbient}
+	istio := map[string]string{apicheck.DataplaneModeLabel: apicheck.DataplaneAmbient}
+	a := fakeAPI(t,
+		map[string]map[string]string{"plain/custom": custom, "plain/istio": istio, "mesh/app": nil},
+		map[string]map[string]string{"plain": nil, "mesh": custom},
+	)
+	a.EnrollmentLabel = "mesh.example.com/mode"
+	for _, tc := range []struct {
+		ns, name string
+		enrolled bool
+	}{{"plain", "custom", true}, {"plain", "istio", false}, {"mesh", "app", true}} {
+		v, err := apicheck.Decide(context.Background(), a, tc.ns, tc.name)
+		if err != nil || v.Enrolled != tc.enrolled {
+			t.Errorf("%s/%s with the agent's label: %+v, %v; want enrolled=%v", tc.ns, tc.name, v, err, tc.enrolled)
+		}
+	}
+}
+
 // Anything short of an answer is an error, never "not enrolled": the plugin
 // fails the ADD closed on it.
 func TestDecideErrorsInsteadOfGuessing(t *testing.T) {
