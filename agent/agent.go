@@ -15,6 +15,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
@@ -293,6 +294,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	switch cfg.Gate {
 	case "", "deviceplugin":
 		dpCfg := cfg.DevicePlugin
+		if dpCfg.Devices <= 0 {
+			dpCfg.Devices = a.podCapacity(ctx, client)
+		}
 		dpCfg.Ready, dpCfg.Observer, dpCfg.Logger = a.Ready, a.Metrics, a.log
 		dp, err := deviceplugin.New(dpCfg)
 		if err != nil {
@@ -414,6 +418,33 @@ func loadRestConfig(kubeconfig string) (*rest.Config, error) {
 		return nil, fmt.Errorf("agent: not in a cluster and no --kubeconfig: %w", err)
 	}
 	return cfg, nil
+}
+
+// podCapacity is how many devices to advertise when not configured: one per
+// pod the node can run (its status.capacity.pods, the kubelet's maxPods),
+// so the gate never caps the node below its own limit.
+func (a *Agent) podCapacity(ctx context.Context, client kubernetes.Interface) int {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	var lastErr error
+	for {
+		node, err := client.CoreV1().Nodes().Get(ctx, a.cfg.NodeName, metav1.GetOptions{})
+		if err == nil {
+			if pods, ok := node.Status.Capacity[corev1.ResourcePods]; ok && pods.Value() > 0 {
+				a.log.Info("advertising one device per pod the node can run", "devices", pods.Value())
+				return int(pods.Value())
+			}
+			err = errors.New("the Node reports no pod capacity")
+		}
+		lastErr = err
+		select {
+		case <-ctx.Done():
+			a.log.Warn("cannot read the node's pod capacity; advertising the kubelet's default maxPods (set --devices)",
+				"devices", deviceplugin.DefaultDevices, "err", lastErr)
+			return deviceplugin.DefaultDevices
+		case <-time.After(time.Second):
+		}
+	}
 }
 
 // PodCached reports whether the agent's pod watch has delivered the pod;

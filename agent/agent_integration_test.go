@@ -22,6 +22,7 @@ import (
 	"github.com/containernetworking/cni/libcni"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
@@ -262,6 +263,25 @@ func (w *world) annotation(pod *corev1.Pod) string {
 		return "error: " + err.Error()
 	}
 	return p.Annotations[enroll.RedirectionAnnotation]
+}
+
+// Unless told otherwise, the gate advertises one device per pod the Node
+// can run, so it never caps a node whose maxPods is above the default.
+func TestIntegrationDevicesFollowTheNodesPodCapacity(t *testing.T) {
+	w := newWorld(t)
+	ctx := context.Background()
+	node, err := w.client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Status.Capacity = corev1.ResourceList{corev1.ResourcePods: resource.MustParse("250")}
+	if _, err := w.client.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	w.cfg.DevicePlugin.Devices = 0
+	w.startInProcessAgent()
+	res := deviceplugin.DefaultResourceName
+	w.eventually("250 devices advertised", func() bool { return w.kubelet.Capacity(res) == 250 && w.kubelet.Allocatable(res) == 250 })
 }
 
 // A pod whose sandbox is recreated (the runtime's ADD for the new one, then

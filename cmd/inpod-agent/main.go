@@ -51,7 +51,7 @@ func run() error {
 	fs.StringVar(&cfg.Gate, "gate", "deviceplugin", "how scheduling follows readiness: deviceplugin or none")
 	fs.StringVar(&cfg.DevicePlugin.PluginDir, "device-plugin-dir", deviceplugin.DefaultPluginDir, "the kubelet's device plugin directory")
 	fs.StringVar(&cfg.DevicePlugin.ResourceName, "resource-name", deviceplugin.DefaultResourceName, "the extended resource pods request")
-	fs.IntVar(&cfg.DevicePlugin.Devices, "devices", deviceplugin.DefaultDevices, "devices to advertise (at least the node's pod capacity)")
+	fs.IntVar(&cfg.DevicePlugin.Devices, "devices", 0, fmt.Sprintf("devices to advertise; 0: the Node's pod capacity (status.capacity.pods), or %d when it cannot be read", deviceplugin.DefaultDevices))
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	err := envflag.Parse(fs, "inpod-agent: the inpod node agent (run as a DaemonSet with hostNetwork)", os.Args[1:])
 	if err == flag.ErrHelp {
