@@ -15,7 +15,11 @@ import (
 	"github.com/inpod-dev/inpod/plugin/apicheck"
 )
 
-const apiAccessFile = "inpod-api-access.json"
+// apiAccessFile lives in the CNI conf dir, which survives a reboot, so pods
+// that are not enrolled can start before the agent does. It has no CNI
+// extension (.conf, .conflist, .json): runtimes would try to load it as a
+// network configuration.
+const apiAccessFile = "inpod-api-access"
 
 // apiAccess keeps the file that the plugin's agent-down check
 // (inpod-cni-apicheck) reads in step with the agent's own credentials: the

@@ -18,7 +18,8 @@ var update = flag.Bool("update", false, "rewrite the golden files")
 var entry = cniinstall.Entry{
 	AgentSocket:       "/var/run/inpod/cni.sock",
 	ExcludeNamespaces: []string{"kube-system"},
-	APIAccess:         "/etc/cni/net.d/inpod-api-access.json",
+	APIAccess:         "/etc/cni/net.d/inpod-api-access",
+	PassList:          "/var/run/inpod/not-enrolled",
 }
 
 type env struct {

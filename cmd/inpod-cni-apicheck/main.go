@@ -17,7 +17,7 @@ import (
 
 func main() {
 	fs := flag.NewFlagSet("inpod-cni-apicheck", flag.ContinueOnError)
-	access := fs.String("access", "/etc/cni/net.d/inpod-api-access.json", "the API access file the agent writes")
+	access := fs.String("access", "/etc/cni/net.d/inpod-api-access", "the API access file the agent writes")
 	namespace := fs.String("namespace", "", "the pod's namespace (required)")
 	name := fs.String("name", "", "the pod's name (required)")
 	timeout := fs.Duration("timeout", 5*time.Second, "bound on the whole check")

@@ -66,7 +66,7 @@ func TestIntegrationAPICheckWithTheRealAPIServer(t *testing.T) {
 		t.Fatal(err)
 	}
 	accessFile := func(tok string) string {
-		path := filepath.Join(t.TempDir(), "inpod-api-access.json")
+		path := filepath.Join(t.TempDir(), "inpod-api-access")
 		data, _ := json.Marshal(apicheck.Access{Server: cp.Server(), CAData: ca, Token: tok})
 		os.WriteFile(path, data, 0o600)
 		return path
