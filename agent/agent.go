@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"log/slog"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -69,6 +70,13 @@ type Config struct {
 	MetricsAddr string
 	Logger      *slog.Logger
 
+	// DaemonSet ("namespace/name") is the agent's own DaemonSet. On
+	// shutdown the agent looks it up: gone or being deleted means inpod is
+	// being removed from the cluster, and the agent removes itself from
+	// the node; present means a restart or an upgrade, and everything
+	// stays. Empty: never remove anything.
+	DaemonSet string
+
 	// Ready, when set, is used instead of a new aggregate, so the gates can
 	// follow the same signal.
 	Ready *readiness.Aggregate
@@ -102,6 +110,9 @@ func New(cfg Config) (*Agent, error) {
 	if cfg.RedirectBackend == "" {
 		cfg.RedirectBackend = "auto"
 	}
+	if ns, name, ok := strings.Cut(cfg.DaemonSet, "/"); cfg.DaemonSet != "" && (!ok || ns == "" || name == "") {
+		return nil, fmt.Errorf("agent: --daemonset %q is not namespace/name", cfg.DaemonSet)
+	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.Default()
@@ -115,15 +126,24 @@ func New(cfg Config) (*Agent, error) {
 	return a, nil
 }
 
-// Run runs the agent until ctx ends. Shutting down leaves the data path as
-// it is: rules stay in every pod, ztunnel keeps its proxies, the CNI plugin
-// stays installed (enrolled pods fail closed until the agent is back).
+// Run runs the agent until ctx ends. Shutting down for a restart or an
+// upgrade leaves the data path as it is: rules stay in every pod, ztunnel
+// keeps its proxies, the CNI plugin stays installed (enrolled pods fail
+// closed until the agent is back). Shutting down because the agent's
+// DaemonSet is gone removes inpod from the node (see Config.DaemonSet).
 func (a *Agent) Run(ctx context.Context) error {
 	cfg := a.cfg
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var wg sync.WaitGroup
 	defer wg.Wait()
+	// The ZDS server outlives the rest: removing inpod from the node at
+	// shutdown still tells ztunnel about every pod it takes out.
+	zdsCtx, stopZDS := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopZDS()
+	// Closed when each piece that can enroll or touch the CNI config has
+	// stopped, so a removal cannot race with them.
+	cniServed, installerDone, reconcilerDone := make(chan struct{}), make(chan struct{}), make(chan struct{})
 	errc := make(chan error, 8)
 	goRun := func(name string, fn func() error) {
 		wg.Go(func() {
@@ -198,8 +218,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err := cniSrv.Listen(); err != nil {
 		return err
 	}
-	goRun("cni event server", func() error { return cniSrv.Serve(ctx) })
+	goRun("cni event server", func() error { defer close(cniServed); return cniSrv.Serve(ctx) })
 
+	var installer *cniinstall.Installer
 	if cfg.InstallCNI {
 		access := apiAccess{rest: restCfg, path: filepath.Join(cfg.CNIConfDir, apiAccessFile), label: cfg.EnrollmentLabel}
 		if _, err := access.write(); err != nil {
@@ -226,8 +247,10 @@ func (a *Agent) Run(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		goRun("cni installer", func() error { return inst.Run(ctx) })
+		installer = inst
+		goRun("cni installer", func() error { defer close(installerDone); return inst.Run(ctx) })
 	} else {
+		close(installerDone)
 		a.Ready.Set(readiness.CNIInstalled, true, "")
 	}
 
@@ -268,12 +291,12 @@ func (a *Agent) Run(ctx context.Context) error {
 		<-ctx.Done()
 		queue.ShutDown()
 	}()
-	goRun("reconciler", func() error { a.reconcileLoop(ctx, queue, pods); return nil })
+	goRun("reconciler", func() error { defer close(reconcilerDone); a.reconcileLoop(ctx, queue, pods); return nil })
 
 	if err := zdsServer.Listen(); err != nil {
 		return err
 	}
-	goRun("zds server", func() error { return zdsServer.Serve(ctx) })
+	goRun("zds server", func() error { return zdsServer.Serve(zdsCtx) })
 	goRun("zds readiness", func() error {
 		states, stop := zdsServer.Subscribe()
 		defer stop()
@@ -311,8 +334,14 @@ func (a *Agent) Run(ctx context.Context) error {
 
 	select {
 	case <-ctx.Done():
-		a.log.Info("agent stopping; rules, ztunnel's proxies and the CNI plugin stay in place")
-		return nil
+		if !a.removedFromCluster(client) {
+			a.log.Info("agent stopping; rules, ztunnel's proxies and the CNI plugin stay in place")
+			return nil
+		}
+		for _, done := range []chan struct{}{cniServed, installerDone, reconcilerDone} {
+			<-done
+		}
+		return a.removeFromNode(installer, probes, filepath.Join(cfg.CNIConfDir, apiAccessFile), filepath.Join(filepath.Dir(cfg.CNISocket), passListDir))
 	case err := <-errc:
 		return err
 	}

@@ -360,6 +360,24 @@ func (p *Pipeline) Unenroll(ctx context.Context, uid types.UID) error {
 	return nil
 }
 
+// UnenrollAll takes every enrolled pod out of the mesh (inpod is being
+// removed from the node), going on past failures.
+func (p *Pipeline) UnenrollAll(ctx context.Context) error {
+	p.mu.Lock()
+	uids := make([]types.UID, 0, len(p.enrolled))
+	for uid := range p.enrolled {
+		uids = append(uids, uid)
+	}
+	p.mu.Unlock()
+	var errs []error
+	for _, uid := range uids {
+		if err := p.Unenroll(ctx, uid); err != nil {
+			errs = append(errs, fmt.Errorf("pod %s: %w", uid, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
 // Snapshot lists every enrolled pod with its netns, for a ztunnel that
 // (re)connects.
 func (p *Pipeline) Snapshot(context.Context) ([]zds.Workload, error) {

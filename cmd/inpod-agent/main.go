@@ -49,6 +49,7 @@ func run() error {
 	fs.StringVar(&cfg.HealthAddr, "health-addr", ":15021", "address of /healthz and /readyz")
 	fs.StringVar(&cfg.MetricsAddr, "metrics-addr", ":15020", "address of /metrics")
 	fs.StringVar(&cfg.Gate, "gate", "deviceplugin", "how scheduling follows readiness: deviceplugin or none")
+	fs.StringVar(&cfg.DaemonSet, "daemonset", "", "the agent's own DaemonSet, namespace/name: at shutdown, if it is gone or being deleted, the agent removes inpod from the node (CNI plugin and config, pod rules); empty: never")
 	fs.StringVar(&cfg.DevicePlugin.PluginDir, "device-plugin-dir", deviceplugin.DefaultPluginDir, "the kubelet's device plugin directory")
 	fs.StringVar(&cfg.DevicePlugin.ResourceName, "resource-name", deviceplugin.DefaultResourceName, "the extended resource pods request")
 	fs.IntVar(&cfg.DevicePlugin.Devices, "devices", 0, fmt.Sprintf("devices to advertise; 0: the Node's pod capacity (status.capacity.pods), or %d when it cannot be read", deviceplugin.DefaultDevices))
