@@ -341,7 +341,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		for _, done := range []chan struct{}{cniServed, installerDone, reconcilerDone} {
 			<-done
 		}
-		return a.removeFromNode(installer, probes, filepath.Join(cfg.CNIConfDir, apiAccessFile), filepath.Join(filepath.Dir(cfg.CNISocket), passListDir))
+		return a.removeFromNode(installer, probes, annotations, filepath.Join(cfg.CNIConfDir, apiAccessFile), filepath.Join(filepath.Dir(cfg.CNISocket), passListDir))
 	case err := <-errc:
 		return err
 	}

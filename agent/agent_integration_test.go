@@ -373,6 +373,9 @@ func TestIntegrationShutdownAfterItsDaemonSetIsDeletedRemovesInpod(t *testing.T)
 	if _, ok := w.standin.Workloads()[string(pod.UID)]; ok {
 		t.Fatal("ztunnel was not told the pod left")
 	}
+	if got := w.annotation(pod); got != "" {
+		t.Fatalf("the pod kept its redirection annotation %q", got)
+	}
 	if strings.Contains(w.node.Exec(t, "nft", "list", "tables"), "inpod-host") {
 		t.Fatal("the host probe table was left")
 	}

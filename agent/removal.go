@@ -12,6 +12,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/inpod-dev/inpod/agent/cniinstall"
+	"github.com/inpod-dev/inpod/agent/enroll"
 	"github.com/inpod-dev/inpod/agent/redirect"
 )
 
@@ -51,7 +52,7 @@ func (a *Agent) removedFromCluster(client kubernetes.Interface) bool {
 // pods start without inpod), then every enrolled pod loses its rules and
 // ztunnel is told, then the node-wide pieces go. Callers have stopped the
 // CNI server, the installer's watch and the reconciler.
-func (a *Agent) removeFromNode(installer *cniinstall.Installer, probes *redirect.HostProbes, accessFile, passList string) error {
+func (a *Agent) removeFromNode(installer *cniinstall.Installer, probes *redirect.HostProbes, annotations *enroll.AnnotationWriter, accessFile, passList string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), removalTimeout)
 	defer cancel()
 	var errs []error
@@ -64,6 +65,11 @@ func (a *Agent) removeFromNode(installer *cniinstall.Installer, probes *redirect
 		}
 	}
 	if err := a.pipeline.UnenrollAll(ctx); err != nil {
+		errs = append(errs, err)
+	}
+	// The writer's loop has stopped with the agent; the pods' redirection
+	// annotations are removed here.
+	if err := annotations.Flush(ctx); err != nil {
 		errs = append(errs, err)
 	}
 	if err := probes.Uninstall(); err != nil {

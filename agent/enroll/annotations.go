@@ -3,6 +3,8 @@ package enroll
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"log/slog"
 	"sync"
 
@@ -63,6 +65,24 @@ func (w *AnnotationWriter) Run(ctx context.Context) {
 		}
 		w.queue.Done(pod)
 	}
+}
+
+// Flush writes every pending annotation now, once each, for a shutdown
+// after Run has stopped; it returns the failures.
+func (w *AnnotationWriter) Flush(ctx context.Context) error {
+	w.mu.Lock()
+	pods := make([]types.NamespacedName, 0, len(w.want))
+	for pod := range w.want {
+		pods = append(pods, pod)
+	}
+	w.mu.Unlock()
+	var errs []error
+	for _, pod := range pods {
+		if err := w.write(ctx, pod); err != nil {
+			errs = append(errs, fmt.Errorf("annotate %s: %w", pod, err))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 func (w *AnnotationWriter) write(ctx context.Context, pod types.NamespacedName) error {
