@@ -244,10 +244,25 @@ func (cp *ControlPlane) Server() string {
 
 // writeKubeconfig writes a kubeconfig authenticating with the named client
 // certificate of the PKI.
+//
+// The PKI goes in by value, not by path: client-go caches transports by CA
+// and certificate file path, so a client of a control plane started over a
+// killed run's root (same paths, new CA) would get the old run's transport
+// and fail to verify the new apiserver.
 func (cp *ControlPlane) writeKubeconfig(path, cert string) error {
+	var ca, crt, key []byte
+	for _, f := range []struct {
+		name string
+		data *[]byte
+	}{{"ca.crt", &ca}, {cert + ".crt", &crt}, {cert + ".key", &key}} {
+		var err error
+		if *f.data, err = os.ReadFile(cp.pki.path(f.name)); err != nil {
+			return err
+		}
+	}
 	cfg := clientcmdapi.NewConfig()
-	cfg.Clusters["e2e"] = &clientcmdapi.Cluster{Server: cp.Server(), CertificateAuthority: cp.pki.path("ca.crt")}
-	cfg.AuthInfos[cert] = &clientcmdapi.AuthInfo{ClientCertificate: cp.pki.path(cert + ".crt"), ClientKey: cp.pki.path(cert + ".key")}
+	cfg.Clusters["e2e"] = &clientcmdapi.Cluster{Server: cp.Server(), CertificateAuthorityData: ca}
+	cfg.AuthInfos[cert] = &clientcmdapi.AuthInfo{ClientCertificateData: crt, ClientKeyData: key}
 	cfg.Contexts["e2e"] = &clientcmdapi.Context{Cluster: "e2e", AuthInfo: cert}
 	cfg.CurrentContext = "e2e"
 	return clientcmd.WriteToFile(*cfg, path)

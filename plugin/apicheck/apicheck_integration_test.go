@@ -61,10 +61,7 @@ func TestIntegrationAPICheckWithTheRealAPIServer(t *testing.T) {
 		}
 		return tok.Status.Token
 	}
-	ca, err := os.ReadFile(cp.Rest.TLSClientConfig.CAFile)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ca := cp.Rest.TLSClientConfig.CAData
 	accessFile := func(tok string) string {
 		path := filepath.Join(t.TempDir(), "inpod-api-access")
 		data, _ := json.Marshal(apicheck.Access{Server: cp.Server(), CAData: ca, Token: tok})
