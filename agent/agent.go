@@ -186,7 +186,10 @@ func (a *Agent) Run(ctx context.Context) error {
 	goRun("annotations", func() error { annotations.Run(ctx); return nil })
 
 	policy := enroll.Policy{ExcludedNamespaces: cfg.ExcludedNamespaces, Label: cfg.EnrollmentLabel}
-	passList, err := passlist.Open(filepath.Join(filepath.Dir(cfg.CNISocket), passListDir), pods.notEnrolled(policy), a.log)
+	// Where the plugin finds what the agent writes for it.
+	passListPath := filepath.Join(filepath.Dir(cfg.CNISocket), passListDir)
+	apiAccessPath := filepath.Join(cfg.CNIConfDir, apiAccessFile)
+	passList, err := passlist.Open(passListPath, pods.notEnrolled(policy), a.log)
 	if err != nil {
 		return err
 	}
@@ -222,7 +225,7 @@ func (a *Agent) Run(ctx context.Context) error {
 
 	var installer *cniinstall.Installer
 	if cfg.InstallCNI {
-		access := apiAccess{rest: restCfg, path: filepath.Join(cfg.CNIConfDir, apiAccessFile), label: cfg.EnrollmentLabel}
+		access := apiAccess{rest: restCfg, path: apiAccessPath, label: cfg.EnrollmentLabel}
 		if _, err := access.write(); err != nil {
 			a.log.Warn("no API access file for the plugin; while the agent is down it cannot tell enrolled pods apart and fails every pod's ADD", "err", err)
 		} else {
@@ -233,7 +236,7 @@ func (a *Agent) Run(ctx context.Context) error {
 			SourceDir: cfg.CNISourceDir, BinDir: cfg.CNIBinDir, ConfDir: cfg.CNIConfDir,
 			StateDir: filepath.Join(cfg.StateDir, "cni"), Logger: a.log,
 			Entry: cniinstall.Entry{AgentSocket: cfg.CNISocket, ExcludeNamespaces: cfg.ExcludedNamespaces,
-				APIAccess: filepath.Join(cfg.CNIConfDir, apiAccessFile), PassList: filepath.Join(filepath.Dir(cfg.CNISocket), passListDir)},
+				APIAccess: apiAccessPath, PassList: passListPath},
 			OnChange: func(ok bool, reason string) {
 				// Installed again after having been installed: a repair.
 				// The first install at start is not one.
@@ -341,7 +344,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		for _, done := range []chan struct{}{cniServed, installerDone, reconcilerDone} {
 			<-done
 		}
-		return a.removeFromNode(installer, probes, annotations, filepath.Join(cfg.CNIConfDir, apiAccessFile), filepath.Join(filepath.Dir(cfg.CNISocket), passListDir))
+		return a.removeFromNode(installer, probes, annotations, apiAccessPath, passListPath)
 	case err := <-errc:
 		return err
 	}

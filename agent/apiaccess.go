@@ -12,6 +12,7 @@ import (
 
 	"k8s.io/client-go/rest"
 
+	"github.com/inpod-dev/inpod/internal/atomicfile"
 	"github.com/inpod-dev/inpod/plugin/apicheck"
 )
 
@@ -66,12 +67,7 @@ func (w apiAccess) write() (changed bool, err error) {
 	if err := os.MkdirAll(filepath.Dir(w.path), 0o755); err != nil {
 		return false, err
 	}
-	tmp := filepath.Join(filepath.Dir(w.path), ".inpod-tmp-"+filepath.Base(w.path))
-	if err := os.WriteFile(tmp, data, 0o600); err != nil {
-		return false, err
-	}
-	if err := os.Rename(tmp, w.path); err != nil {
-		os.Remove(tmp)
+	if err := atomicfile.Write(w.path, data, 0o600); err != nil {
 		return false, err
 	}
 	return true, nil

@@ -35,6 +35,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/inpod-dev/inpod/internal/atomicfile"
 )
 
 const (
@@ -130,14 +132,14 @@ func (l *List) Refresh(namespace, name string) error {
 	if have, err := os.ReadFile(path); err == nil && bytes.Equal(have, []byte(uid)) {
 		return nil
 	}
-	return writeAtomic(path, []byte(uid))
+	return atomicfile.Write(path, []byte(uid), 0o600)
 }
 
 // Run renews the heartbeat until ctx ends, then withdraws it so the plugin
 // stops trusting the list at once.
 func (l *List) Run(ctx context.Context) error {
 	alive := filepath.Join(l.dir, aliveFile)
-	if err := writeAtomic(alive, nil); err != nil {
+	if err := atomicfile.Write(alive, nil, 0o600); err != nil {
 		return err
 	}
 	defer os.Remove(alive)
@@ -152,23 +154,10 @@ func (l *List) Run(ctx context.Context) error {
 			if err := os.Chtimes(alive, now, now); err != nil {
 				// Gone (removed by hand?): recreate it. Failing here
 				// only makes the plugin ask the agent about every pod.
-				if err := writeAtomic(alive, nil); err != nil {
+				if err := atomicfile.Write(alive, nil, 0o600); err != nil {
 					l.log.Warn("cannot renew the pass list's heartbeat; inpod-cni will ask about every pod", "err", err)
 				}
 			}
 		}
 	}
-}
-
-func writeAtomic(path string, data []byte) error {
-	// Entries never start with a dot, so this cannot be another pod's.
-	tmp := filepath.Join(filepath.Dir(path), ".tmp-"+filepath.Base(path))
-	if err := os.WriteFile(tmp, data, 0o600); err != nil {
-		return fmt.Errorf("passlist: %w", err)
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		os.Remove(tmp)
-		return fmt.Errorf("passlist: %w", err)
-	}
-	return nil
 }

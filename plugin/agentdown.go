@@ -53,7 +53,9 @@ func decideFromAPI(conf *Config, k k8sArgs, cniPath string) (enrolled bool, why 
 }
 
 // findInPath looks for a binary in CNI_PATH, where the runtime looks for
-// plugins and where the agent installs both.
+// plugins and where the agent installs both. Not libcni's
+// invoke.FindInPath: that package would link OpenTelemetry, gzip and
+// multipart into a binary exec'ed for every pod.
 func findInPath(name, cniPath string) (string, error) {
 	for _, dir := range filepath.SplitList(cniPath) {
 		p := filepath.Join(dir, name)

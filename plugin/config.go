@@ -23,7 +23,7 @@ import (
 )
 
 // PluginType is the plugin's name in a conflist.
-const PluginType = "inpod-cni"
+const PluginType = cnievent.PluginBinary
 
 // Config is the plugin's entry in the conflist, plus what the runtime adds.
 type Config struct {

@@ -22,6 +22,7 @@ import (
 	"github.com/fsnotify/fsnotify"
 
 	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/internal/atomicfile"
 )
 
 // PluginType is the plugin's type in the conflist.
@@ -180,7 +181,7 @@ func (i *Installer) Install() (Status, error) {
 		// .conflist, under the same name so it keeps its place in order.
 		target = strings.TrimSuffix(path, filepath.Ext(path)) + ".conflist"
 	}
-	if err := writeAtomic(target, data, fileMode(path)); err != nil {
+	if err := writeFile(target, data, fileMode(path)); err != nil {
 		return Status{Reason: err.Error()}, err
 	}
 	if target != path {
@@ -200,7 +201,7 @@ func (i *Installer) installBinary(name string) error {
 	if err := os.MkdirAll(i.cfg.BinDir, 0o755); err != nil {
 		return fmt.Errorf("cniinstall: %w", err)
 	}
-	if err := writeAtomic(dst, i.want[name], 0o755); err != nil {
+	if err := writeFile(dst, i.want[name], 0o755); err != nil {
 		return err
 	}
 	i.log.Info("installed a plugin binary", "path", dst)
@@ -221,7 +222,7 @@ func (i *Installer) backup(path string) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("cniinstall: %w", err)
 	}
-	return writeAtomic(dst, data, 0o600)
+	return writeFile(dst, data, 0o600)
 }
 
 // Uninstall takes inpod out of every configuration in the conf dir,
@@ -256,7 +257,7 @@ func (i *Installer) Uninstall() error {
 			if err != nil || !sameList(origList, stripped) {
 				continue
 			}
-			if err := writeAtomic(filepath.Join(i.cfg.ConfDir, name), orig, fileMode(path)); err != nil {
+			if err := writeFile(filepath.Join(i.cfg.ConfDir, name), orig, fileMode(path)); err != nil {
 				return err
 			}
 			if name != e.Name() {
@@ -270,7 +271,7 @@ func (i *Installer) Uninstall() error {
 			if err != nil {
 				return err
 			}
-			if err := writeAtomic(path, out, fileMode(path)); err != nil {
+			if err := writeFile(path, out, fileMode(path)); err != nil {
 				return err
 			}
 		}
@@ -317,7 +318,7 @@ func (i *Installer) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			return nil
 		case ev := <-w.Events:
-			if isOwnTemp(ev.Name) {
+			if atomicfile.IsTemp(ev.Name) {
 				continue
 			}
 		case err := <-w.Errors:
@@ -419,44 +420,17 @@ func (i *Installer) report(installed bool, reason string) {
 	}
 }
 
-const tempPrefix = ".inpod-tmp-"
-
-func isOwnTemp(path string) bool { return strings.HasPrefix(filepath.Base(path), tempPrefix) }
-
-// writeAtomic writes a temp file beside path (its name has no CNI
-// extension, so no runtime reads it half-written), syncs it and renames it
-// into place.
-func writeAtomic(path string, data []byte, mode os.FileMode) error {
-	f, err := os.CreateTemp(filepath.Dir(path), tempPrefix+filepath.Base(path)+"-*")
-	if err != nil {
-		return fmt.Errorf("cniinstall: %w", err)
-	}
-	tmp := f.Name()
-	defer os.Remove(tmp)
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return fmt.Errorf("cniinstall: write %s: %w", tmp, err)
-	}
-	if err := f.Chmod(mode); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		return fmt.Errorf("cniinstall: replace %s: %w", path, err)
-	}
-	return nil
-}
-
 func fileMode(path string) os.FileMode {
 	if fi, err := os.Stat(path); err == nil {
 		return fi.Mode().Perm()
 	}
 	return 0o644
+}
+
+// writeFile replaces a file atomically, naming the package in errors.
+func writeFile(path string, data []byte, mode os.FileMode) error {
+	if err := atomicfile.Write(path, data, mode); err != nil {
+		return fmt.Errorf("cniinstall: %w", err)
+	}
+	return nil
 }

@@ -68,8 +68,7 @@ func TestServeKeepsAcceptingWhileAHandlerIsBusy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// While one handler is held, others are served, by reused goroutines
-	// as well as new ones.
+	// While one handler is held, every other connection is still served.
 	for i := range 20 {
 		c, err := call(byte('0' + i%10))
 		if err != nil {
