@@ -34,11 +34,11 @@ import (
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/deviceplugin/kubelettest"
 	"github.com/inpod-dev/inpod/e2e/cluster"
-	"github.com/inpod-dev/inpod/e2e/ztunnel"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/passlist"
 	"github.com/inpod-dev/inpod/plugin/plugintest"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
 const nodeName = "test-node"

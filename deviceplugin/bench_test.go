@@ -14,8 +14,8 @@ import (
 	"github.com/inpod-dev/inpod/agent/readiness"
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/deviceplugin/kubelettest"
-	"github.com/inpod-dev/inpod/e2e/ztunnel"
 	"github.com/inpod-dev/inpod/zds"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
 type emptySource struct{}

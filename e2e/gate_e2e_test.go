@@ -23,9 +23,9 @@ import (
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/images"
-	"github.com/inpod-dev/inpod/e2e/ztunnel"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/plugin/plugintest"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
 const gateResource = corev1.ResourceName(deviceplugin.DefaultResourceName)

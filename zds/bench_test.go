@@ -11,9 +11,9 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/inpod-dev/inpod/e2e/ztunnel"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/zds"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
 // BenchmarkAddAck measures Add → Ack against the stand-in, which binds real

@@ -19,11 +19,11 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
-	"github.com/inpod-dev/inpod/e2e/ztunnel"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/zds"
 	"github.com/inpod-dev/inpod/zds/zdspb"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
 // Re-executed as a separate ztunnel process for the tests that kill it.

@@ -15,9 +15,9 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/inpod-dev/inpod/agent/redirect"
-	"github.com/inpod-dev/inpod/e2e/ztunnel"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
 // Addresses of the test's own namespaces: documentation and ULA ranges, so

@@ -6,8 +6,8 @@ import (
 	"testing"
 
 	"github.com/inpod-dev/inpod/agent/redirect"
-	"github.com/inpod-dev/inpod/e2e/ztunnel"
 	"github.com/inpod-dev/inpod/netns/netnstest"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
 // backends lists every backend under test with the command that shows its

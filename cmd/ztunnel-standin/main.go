@@ -12,9 +12,9 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/inpod-dev/inpod/e2e/ztunnel"
 	"github.com/inpod-dev/inpod/internal/envflag"
 	"github.com/inpod-dev/inpod/zds"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
 func main() {

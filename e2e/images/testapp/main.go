@@ -13,7 +13,7 @@ import (
 	"os"
 	"time"
 
-	"github.com/inpod-dev/inpod/e2e/ztunnel"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
 func main() {

@@ -1,4 +1,4 @@
-package ztunnel_test
+package zdstest_test
 
 import (
 	"context"
@@ -13,11 +13,11 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/inpod-dev/inpod/e2e/ztunnel"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/zds"
 	"github.com/inpod-dev/inpod/zds/zdspb"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
 // fakeAgent is a hand-driven ZDS server that can send what inpod's server

@@ -1,4 +1,4 @@
-package ztunnel
+package zdstest
 
 import (
 	"context"

@@ -1,4 +1,4 @@
-// Package ztunnel is a test peer that plays Istio's ztunnel on the ZDS wire
+// Package zdstest is a test peer that plays Istio's ztunnel on the ZDS wire
 // and in the kernel. It is not a proxy.
 //
 // It connects to the agent's socket, says hello, and checks every message the
@@ -11,7 +11,7 @@
 // listener answers a connection with one line naming the port, the original
 // destination (SO_ORIGINAL_DST) and the peer, then closes it, so tests can see
 // where redirected traffic landed.
-package ztunnel
+package zdstest
 
 import (
 	"context"

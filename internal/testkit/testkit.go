@@ -1,0 +1,85 @@
+// Package testkit holds the helpers inpod's tests share: polling with a
+// deadline instead of sleeping, the repository root, and temporary
+// directories short enough for unix socket paths. Tests only; nothing in a
+// binary imports it.
+package testkit
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// pollInterval is short: the conditions polled are cheap reads, and a long
+// interval would hide how fast the thing under test really is.
+const pollInterval = 5 * time.Millisecond
+
+// Eventually polls cond until it holds and returns how long that took, or
+// fails the test naming what it waited for once timeout has passed.
+func Eventually(t testing.TB, timeout time.Duration, what string, cond func() bool) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for !cond() {
+		if time.Since(start) > timeout {
+			t.Fatalf("timed out after %s waiting for %s", timeout, what)
+		}
+		time.Sleep(pollInterval)
+	}
+	return time.Since(start)
+}
+
+// Poll is Eventually for code that is not a test (harnesses, benchmarks'
+// set-up): it returns an error instead of failing a test. cond's error ends
+// the wait at once.
+func Poll(timeout time.Duration, what string, cond func() (bool, error)) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		ok, err := cond()
+		if err != nil {
+			return err
+		}
+		if ok {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return &TimeoutError{What: what, After: timeout}
+		}
+		time.Sleep(pollInterval)
+	}
+}
+
+// TimeoutError says what Poll waited for.
+type TimeoutError struct {
+	What  string
+	After time.Duration
+}
+
+func (e *TimeoutError) Error() string {
+	return "timed out after " + e.After.String() + " waiting for " + e.What
+}
+
+// RepoDir is the root of the inpod module the test runs in.
+func RepoDir(t testing.TB) string {
+	t.Helper()
+	out, err := exec.Command("go", "env", "GOMOD").Output()
+	if err != nil {
+		t.Fatalf("go env GOMOD: %v", err)
+	}
+	return filepath.Dir(strings.TrimSpace(string(out)))
+}
+
+// ShortTempDir is a temporary directory under /tmp, removed when the test
+// ends. t.TempDir() nests the test's name and can exceed the 108 bytes a
+// unix socket path may have.
+func ShortTempDir(t testing.TB, prefix string) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
