@@ -119,7 +119,7 @@ func (c *conn) run(ctx context.Context, src PodSource, snapshotAcked func()) err
 			}
 			err := c.roundTrip(call.req)
 			call.result <- err
-			if err != nil && !isAckError(err) {
+			if err != nil && !pairingIntact(err) {
 				return err
 			}
 		case <-c.done:
@@ -135,12 +135,21 @@ func isAckError(err error) bool {
 	return errors.As(err, &ae)
 }
 
+// pairingIntact reports a failure of one request that leaves the connection
+// usable: ztunnel answered it with an error, or nothing was sent at all.
+func pairingIntact(err error) bool {
+	return isAckError(err) || errors.Is(err, ErrNetNSClosed)
+}
+
 func (c *conn) sendSnapshot(ctx context.Context, src PodSource) error {
 	workloads, err := src.Snapshot(ctx)
+	// The snapshot's files are ours (see PodSource): each is closed once
+	// sent, and whatever is left when the snapshot ends early.
+	defer closeNetNS(workloads)
 	if err != nil {
 		return fmt.Errorf("zds: build snapshot: %w", err)
 	}
-	var adds, keeps, rejected int
+	var adds, keeps, rejected, skipped int
 	for _, w := range workloads {
 		r, err := snapshotRequest(w)
 		if err != nil {
@@ -150,11 +159,20 @@ func (c *conn) sendSnapshot(ctx context.Context, src PodSource) error {
 			continue
 		}
 		err = c.roundTrip(r)
+		if w.NetNS != nil {
+			w.NetNS.Close()
+		}
 		switch {
 		case isAckError(err):
 			// ztunnel retries a failed proxy start by itself.
 			rejected++
 			c.log.Warn("ztunnel rejected a snapshot entry", "err", err)
+		case errors.Is(err, ErrNetNSClosed):
+			// Only a source that closed what it handed over gets here;
+			// the pod's file was closed because the pod is leaving, so
+			// this ztunnel is better off without it than disconnected.
+			skipped++
+			c.log.Warn("leaving pod out of the snapshot", "err", err)
 		case err != nil:
 			return err
 		case r.op == "add":
@@ -170,8 +188,16 @@ func (c *conn) sendSnapshot(ctx context.Context, src PodSource) error {
 	if err := c.roundTrip(&request{op: "snapshot", payload: msg}); err != nil {
 		return fmt.Errorf("zds: snapshot not acknowledged: %w", err)
 	}
-	c.log.Info("snapshot acknowledged", "adds", adds, "keeps", keeps, "rejected", rejected)
+	c.log.Info("snapshot acknowledged", "adds", adds, "keeps", keeps, "rejected", rejected, "skipped", skipped)
 	return nil
+}
+
+func closeNetNS(ws []Workload) {
+	for _, w := range ws {
+		if w.NetNS != nil {
+			w.NetNS.Close() // a second Close of an *os.File is a no-op
+		}
+	}
 }
 
 func snapshotRequest(w Workload) (*request, error) {
@@ -210,10 +236,9 @@ func (c *conn) roundTrip(r *request) error {
 	}()
 
 	if err := c.send(r); err != nil {
-		if errors.Is(err, errNetNSClosed) {
-			// The caller closed its fd; nothing was written, so the
-			// connection's pairing is intact.
-			return err
+		if errors.Is(err, ErrNetNSClosed) {
+			// Nothing was written: the connection's pairing is intact.
+			return fmt.Errorf("%w: %s of pod %s (%s)", ErrNetNSClosed, r.op, r.uid, r.netns.Name())
 		}
 		err = fmt.Errorf("zds: send %s of pod %s: %w", r.op, r.uid, err)
 		c.fail(err)
@@ -239,8 +264,6 @@ func (c *conn) roundTrip(r *request) error {
 	}
 }
 
-var errNetNSClosed = errors.New("zds: the pod's netns fd was closed before it could be sent")
-
 func (c *conn) send(r *request) error {
 	if err := c.uc.SetWriteDeadline(time.Now().Add(c.ackTimeout)); err != nil {
 		return err
@@ -253,13 +276,13 @@ func (c *conn) send(r *request) error {
 	// concurrent Close by the owner can never make us pass a recycled fd.
 	rc, err := r.netns.SyscallConn()
 	if err != nil {
-		return errNetNSClosed
+		return ErrNetNSClosed
 	}
 	var sendErr error
 	if err := rc.Control(func(fd uintptr) {
 		_, _, sendErr = c.uc.WriteMsgUnix(r.payload, unix.UnixRights(int(fd)), nil)
 	}); err != nil {
-		return errNetNSClosed
+		return ErrNetNSClosed
 	}
 	return sendErr
 }

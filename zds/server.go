@@ -23,6 +23,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/inpod-dev/inpod/internal/latest"
 	"github.com/inpod-dev/inpod/internal/unixsock"
 	"github.com/inpod-dev/inpod/zds/zdspb"
@@ -34,13 +36,45 @@ type Workload struct {
 	Name           string
 	Namespace      string
 	ServiceAccount string
-	// NetNS is the pod's network namespace. The caller owns it and must keep
-	// it open until Add returns; the server only borrows it to send. In a
-	// snapshot, nil means "known, netns not held" and is sent as Keep.
+	// NetNS is the pod's network namespace. Add borrows it: the caller
+	// keeps it open until Add returns. A snapshot hands it over: see
+	// PodSource. In a snapshot, nil means "known, netns not held" and is sent
+	// as Keep.
 	NetNS *os.File
 }
 
+// Dup returns a copy of w whose NetNS is a new descriptor of the same
+// namespace, owned by the caller: what a PodSource hands to the server, so
+// that the source may close its own file at any time.
+func (w Workload) Dup() (Workload, error) {
+	if w.NetNS == nil {
+		return w, nil
+	}
+	rc, err := w.NetNS.SyscallConn()
+	if err != nil {
+		return Workload{}, fmt.Errorf("%w: pod %s (%s)", ErrNetNSClosed, w.UID, w.NetNS.Name())
+	}
+	var fd int
+	var dupErr error
+	if err := rc.Control(func(orig uintptr) {
+		fd, dupErr = unix.FcntlInt(orig, unix.F_DUPFD_CLOEXEC, 0)
+	}); err != nil {
+		return Workload{}, fmt.Errorf("%w: pod %s (%s)", ErrNetNSClosed, w.UID, w.NetNS.Name())
+	}
+	if dupErr != nil {
+		return Workload{}, fmt.Errorf("zds: dup the netns fd of pod %s: %w", w.UID, dupErr)
+	}
+	w.NetNS = os.NewFile(uintptr(fd), w.NetNS.Name())
+	return w, nil
+}
+
 // PodSource lists the pods a newly connected ztunnel must be told about.
+//
+// The server owns every NetNS in the returned list and closes each one once
+// it has been sent, or when the snapshot ends for any reason, so a source
+// hands out files of its own (Workload.Dup, taken under the same lock that
+// guards its table): the snapshot is sent without that lock, and an unenroll
+// that closes the source's file meanwhile must not take the server's with it.
 type PodSource interface {
 	Snapshot(ctx context.Context) ([]Workload, error)
 }
@@ -82,6 +116,11 @@ var (
 	// ErrAckTimeout means ztunnel did not answer in time; the connection
 	// has been closed.
 	ErrAckTimeout = errors.New("zds: timed out waiting for ztunnel's ack")
+	// ErrNetNSClosed means the netns file was closed before it could be
+	// sent. Nothing was written, so the pairing of requests and acks is
+	// intact and the connection stays: that Add fails alone, and a snapshot
+	// leaves that entry out and goes on.
+	ErrNetNSClosed = errors.New("zds: the pod's netns fd was closed before it could be sent")
 )
 
 // AckError is an Ack that carried an error: ztunnel refused that workload.

@@ -19,6 +19,7 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/zds"
@@ -39,16 +40,33 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// source is a PodSource the test edits.
+// source is a PodSource the test edits. Like the agent's table, it keeps its
+// own files and hands the server duplicates, which the server closes.
 type source struct {
 	mu        sync.Mutex
 	workloads []zds.Workload
+	// handedOut, when set, sees each snapshot as it goes to the server.
+	handedOut func([]zds.Workload)
 }
 
 func (s *source) Snapshot(context.Context) ([]zds.Workload, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return append([]zds.Workload(nil), s.workloads...), nil
+	out := make([]zds.Workload, 0, len(s.workloads))
+	for _, w := range s.workloads {
+		d, err := w.Dup()
+		if err != nil {
+			for _, o := range out {
+				o.NetNS.Close()
+			}
+			return nil, err
+		}
+		out = append(out, d)
+	}
+	if s.handedOut != nil {
+		s.handedOut(out)
+	}
+	return out, nil
 }
 
 func (s *source) set(ws ...zds.Workload) {
@@ -116,21 +134,9 @@ func startStandin(t *testing.T, path string, mod func(*ztunnel.Config)) *ztunnel
 	return z
 }
 
-// eventually polls cond until it holds or the deadline passes.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 func waitState(t *testing.T, srv *zds.Server, want zds.State) {
 	t.Helper()
-	eventually(t, fmt.Sprintf("server state %+v", want), func() bool { return srv.State() == want })
+	testkit.Eventually(t, 10*time.Second, fmt.Sprintf("server state %+v", want), func() bool { return srv.State() == want })
 }
 
 func podWorkload(uid string, ns *os.File) zds.Workload {
@@ -338,7 +344,7 @@ func TestAddGoesToNewestConnectionDelToAll(t *testing.T) {
 	old := startStandin(t, path, nil)
 	waitState(t, srv, zds.State{Connections: 1, Ready: true})
 	newer := startStandin(t, path, nil)
-	eventually(t, "second stand-in snapshot", func() bool { return newer.SnapshotDone() && srv.State().Connections == 2 })
+	testkit.Eventually(t, 10*time.Second, "second stand-in snapshot", func() bool { return newer.SnapshotDone() && srv.State().Connections == 2 })
 
 	if err := srv.Add(context.Background(), podWorkload("uid-b", nsB)); err != nil {
 		t.Fatal(err)
