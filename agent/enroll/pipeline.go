@@ -379,13 +379,25 @@ func (p *Pipeline) UnenrollAll(ctx context.Context) error {
 }
 
 // Snapshot lists every enrolled pod with its netns, for a ztunnel that
-// (re)connects.
+// (re)connects. Each netns is a duplicate the server owns and closes once
+// sent: taken under p.mu, where no entry's file is closed, it survives an
+// unenroll or a re-enrollment that closes the table's file while the
+// snapshot is on its way.
 func (p *Pipeline) Snapshot(context.Context) ([]zds.Workload, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	out := make([]zds.Workload, 0, len(p.enrolled))
 	for _, e := range p.enrolled {
-		out = append(out, e.info)
+		w, err := e.info.Dup()
+		if err != nil {
+			// A snapshot without this pod would let ztunnel drop its
+			// proxy, and readiness would claim it knows every pod.
+			for _, o := range out {
+				o.NetNS.Close()
+			}
+			return nil, fmt.Errorf("snapshot pod %s: %w", e.pod, err)
+		}
+		out = append(out, w)
 	}
 	return out, nil
 }
