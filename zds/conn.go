@@ -168,9 +168,9 @@ func (c *conn) sendSnapshot(ctx context.Context, src PodSource) error {
 			rejected++
 			c.log.Warn("ztunnel rejected a snapshot entry", "err", err)
 		case errors.Is(err, ErrNetNSClosed):
-			// Only a source that closed what it handed over gets here;
-			// the pod's file was closed because the pod is leaving, so
-			// this ztunnel is better off without it than disconnected.
+			// Only a source that closed what it handed over gets here.
+			// Dropping the connection would cost every pod and the
+			// readiness gate, and the next snapshot would race again.
 			skipped++
 			c.log.Warn("leaving pod out of the snapshot", "err", err)
 		case err != nil:
@@ -195,7 +195,7 @@ func (c *conn) sendSnapshot(ctx context.Context, src PodSource) error {
 func closeNetNS(ws []Workload) {
 	for _, w := range ws {
 		if w.NetNS != nil {
-			w.NetNS.Close() // a second Close of an *os.File is a no-op
+			w.NetNS.Close() // a second Close only returns os.ErrClosed
 		}
 	}
 }
