@@ -39,8 +39,6 @@ package passlist
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -189,12 +187,13 @@ func guarded(dir string, fn func() error) error {
 }
 
 func newGeneration(dir string, decide Decide, log *slog.Logger) (*List, error) {
-	var rnd [8]byte
-	rand.Read(rnd[:])
-	gen := genPrefix + hex.EncodeToString(rnd[:])
-	if err := os.Mkdir(filepath.Join(dir, gen), 0o700); err != nil {
+	// Not crypto/rand: this package is linked into the plugin, which every
+	// pod start execs, and the name only needs to be unique in dir.
+	genDir, err := os.MkdirTemp(dir, genPrefix)
+	if err != nil {
 		return nil, err
 	}
+	gen := filepath.Base(genDir)
 	// Go opens files close-on-exec, so the commands the agent runs
 	// (iptables-restore) never inherit the lock and outlive it with it.
 	lock, err := os.OpenFile(filepath.Join(dir, gen, lockFile), os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
