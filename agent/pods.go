@@ -70,11 +70,14 @@ func (c *podCache) notEnrolled(policy enroll.Policy) passlist.Decide {
 		if err != nil {
 			return "", false, false
 		}
+		// The UID the runtime will name, so a static pod's sandbox
+		// (named by its manifest's hash) matches its mirror's entry.
+		uid := enroll.SandboxUID(pod)
 		ns, err := c.namespaces.Get(namespace)
 		if err != nil {
-			return string(pod.UID), false, true
+			return uid, false, true
 		}
-		return string(pod.UID), !policy.Enrolled(pod, ns), true
+		return uid, !policy.Enrolled(pod, ns), true
 	}
 }
 

@@ -143,13 +143,13 @@ func (p *Pipeline) Add(ctx context.Context, req *cnievent.Request) (cnievent.Out
 	pod, err := p.cfg.Pods.Pod(ctx, req.PodNamespace, req.PodName)
 	if err != nil {
 		if apierrors.IsNotFound(err) {
-			// The pod is gone already; nothing will run in this sandbox.
-			return cnievent.NotEnrolled, nil
+			p.observeFailure("PodNotInAPI")
+			return podNotInAPI(req)
 		}
 		p.observeFailure("PodLookupFailed")
 		return cnievent.Failed, fmt.Errorf("look up pod %s: %w", req.Pod(), err)
 	}
-	if req.PodUID != "" && string(pod.UID) != req.PodUID {
+	if !sandboxOf(pod, req.PodUID) {
 		p.observeFailure("StalePod")
 		return cnievent.Failed, fmt.Errorf("pod %s has uid %s, the runtime named %s; refusing a stale sandbox", req.Pod(), pod.UID, req.PodUID)
 	}
@@ -437,7 +437,7 @@ func (p *Pipeline) Reconcile(ctx context.Context, pod *corev1.Pod) error {
 			// No sandbox network yet: the CNI ADD will enroll it.
 			return nil
 		}
-		f, err := p.cfg.Finder.Find(string(pod.UID), ips)
+		f, err := p.cfg.Finder.Find(SandboxUID(pod), ips)
 		if err != nil {
 			return p.report(pod, fail("NetnsNotFound", "find the running pod's netns: %v", err))
 		}

@@ -41,6 +41,11 @@ type NodeConfig struct {
 	RepoDir string
 	// ExtraImages are built and imported besides pause and testapp.
 	ExtraImages []images.Image
+	// StaticPodPath, when set, is the kubelet's staticPodPath: a directory
+	// of pod manifests it runs as static pods (with mirror pods in the
+	// API). Static pods are not deleted through the API: remove their
+	// manifests before Stop.
+	StaticPodPath string
 }
 
 // Node is a single-node cluster.
@@ -358,6 +363,9 @@ resolvConf: /etc/resolv.conf
 nodeStatusUpdateFrequency: 10s
 serializeImagePulls: false
 `, n.Containerd, n.cfg.NodeIP, port, healthzPort, n.pki.path("ca.crt"))
+	if n.cfg.StaticPodPath != "" {
+		config += fmt.Sprintf("staticPodPath: %q\n", n.cfg.StaticPodPath)
+	}
 	cfgPath := filepath.Join(n.cfg.Root, "kubelet-config.yaml")
 	if err := os.WriteFile(cfgPath, []byte(config), 0o644); err != nil {
 		return err

@@ -1,0 +1,164 @@
+package enroll_test
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/internal/testkit"
+	"github.com/inpod-dev/inpod/netns/netnstest"
+	"github.com/inpod-dev/inpod/zds"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
+)
+
+// cache plays the agent's informer cache (and its one API read).
+type cache struct {
+	pods map[string]*corev1.Pod
+	nss  map[string]*corev1.Namespace
+}
+
+func (c *cache) Pod(_ context.Context, namespace, name string) (*corev1.Pod, error) {
+	if p, ok := c.pods[namespace+"/"+name]; ok {
+		return p, nil
+	}
+	return nil, apierrors.NewNotFound(schema.GroupResource{Resource: "pods"}, name)
+}
+
+func (c *cache) Namespace(name string) (*corev1.Namespace, error) {
+	if ns, ok := c.nss[name]; ok {
+		return ns, nil
+	}
+	return nil, apierrors.NewNotFound(schema.GroupResource{Resource: "namespaces"}, name)
+}
+
+type recorder struct {
+	mu     sync.Mutex
+	events []string
+}
+
+func (r *recorder) Set(types.NamespacedName, string) {}
+func (r *recorder) Warn(_ *corev1.Pod, reason, _ string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.events = append(r.events, reason)
+}
+func (r *recorder) Enrolled(string, time.Duration) {}
+func (r *recorder) Failed(string)                  {}
+func (r *recorder) Removed()                       {}
+
+type ztunnelRef struct{ s *zds.Server }
+
+func (z *ztunnelRef) Add(ctx context.Context, w zds.Workload) error { return z.s.Add(ctx, w) }
+func (z *ztunnelRef) Del(ctx context.Context, uid string) error     { return z.s.Del(ctx, uid) }
+
+// mirror is the mirror pod the kubelet creates in the API for a static pod
+// whose UID (its manifest's hash) is hash.
+func mirror(namespace, name, apiUID, hash string) *corev1.Pod {
+	return &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name, UID: types.UID(apiUID),
+		Annotations: map[string]string{
+			enroll.MirrorAnnotation:       hash,
+			"kubernetes.io/config.hash":   hash,
+			"kubernetes.io/config.source": "file",
+		}}}
+}
+
+// A static pod's sandbox is named by its manifest's hash, not by its mirror
+// pod's API UID: the decision must follow the mirror pod, as for any pod.
+// The enrolled case runs the real pipeline: nftables rules in a real pod
+// netns, the netns handed to the ztunnel stand-in over ZDS.
+func TestStaticPodsAreDecidedByTheirMirrorPod(t *testing.T) {
+	host := netnstest.New(t)
+	hostFile := host.Open(t)
+	probes := redirect.NewHostProbes(hostFile)
+	if err := probes.Ensure(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { probes.Uninstall() })
+	c := &cache{
+		pods: map[string]*corev1.Pod{
+			"plain/web-node1": mirror("plain", "web-node1", "0b5e1c2a-1111-4c3d-9e8f-000000000001", "6f1c0ffee6f1c0ffee6f1c0ffee00001"),
+			"mesh/web-node1":  mirror("mesh", "web-node1", "0b5e1c2a-2222-4c3d-9e8f-000000000002", "6f1c0ffee6f1c0ffee6f1c0ffee00002"),
+		},
+		nss: map[string]*corev1.Namespace{
+			"plain": {ObjectMeta: metav1.ObjectMeta{Name: "plain"}},
+			"mesh":  {ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}},
+		},
+	}
+	rec := &recorder{}
+	zt := &ztunnelRef{}
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	p := enroll.New(enroll.Config{
+		Policy: enroll.Policy{ExcludedNamespaces: []string{"kube-system"}},
+		Rules:  redirect.NewEngine(redirect.NewNFTables()), Probes: probes, Ztunnel: zt, Pods: c,
+		Annotations: rec, Events: rec, Observer: rec, Logger: log,
+	})
+	defer p.Close()
+	sock := filepath.Join(testkit.ShortTempDir(t, "mirror-"), "zds.sock")
+	srv, err := zds.NewServer(zds.Config{SocketPath: sock, Source: p, Logger: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	zt.s = srv
+	if err := srv.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	defer func() { cancel(); wg.Wait() }()
+	wg.Go(func() { srv.Serve(ctx) })
+	standin := ztunnel.New(ztunnel.Config{SocketPath: sock, Logger: log, MinBackoff: 10 * time.Millisecond})
+	wg.Go(func() { standin.Run(ctx) })
+	testkit.Eventually(t, 10*time.Second, "the stand-in to connect", func() bool { return srv.State().Ready })
+
+	add := func(namespace, uid string) (cnievent.Outcome, error) {
+		pod := netnstest.New(t)
+		return p.Add(ctx, &cnievent.Request{Command: cnievent.Add, PodNamespace: namespace, PodName: "web-node1",
+			PodUID: uid, ContainerID: "c-" + namespace, Netns: pod.Path, IPs: []string{"198.18.0.9"}})
+	}
+
+	if out, err := add("plain", "6f1c0ffee6f1c0ffee6f1c0ffee00001"); out != cnievent.NotEnrolled || err != nil {
+		t.Errorf("static pod in a plain namespace: %s, %v; want not-enrolled", out, err)
+	}
+	if out, err := add("mesh", "6f1c0ffee6f1c0ffee6f1c0ffee00002"); out != cnievent.Redirected || err != nil {
+		t.Fatalf("static pod in an enrolled namespace: %s, %v; want redirected", out, err)
+	}
+	// ztunnel knows the pod by its API UID, as Istio's node agent sends it.
+	if _, ok := standin.Workloads()["0b5e1c2a-2222-4c3d-9e8f-000000000002"]; !ok {
+		t.Errorf("ztunnel was not handed the static pod under its mirror's UID: %v", standin.Workloads())
+	}
+	// The manifest changed and the kubelet has not replaced the mirror
+	// yet: its labels may be the old manifest's.
+	if out, err := add("mesh", "0000000000000000000000000000beef"); out != cnievent.Failed || err == nil {
+		t.Errorf("sandbox of another version of the static pod: %s, %v; want failed", out, err)
+	}
+	// No mirror pod in the API yet: its labels are unknown.
+	delete(c.pods, "plain/web-node1")
+	out, err := add("plain", "6f1c0ffee6f1c0ffee6f1c0ffee00001")
+	if out != cnievent.Failed || err == nil || !strings.Contains(err.Error(), "not in the API server") {
+		t.Errorf("static pod without its mirror pod: %s, %v; want failed (not known not to be enrolled)", out, err)
+	}
+}
+
+func TestSandboxUIDOfMirrorPods(t *testing.T) {
+	if got := enroll.SandboxUID(mirror("a", "b", "api-uid", "hash")); got != "hash" {
+		t.Errorf("mirror pod: %q, want the static pod's hash", got)
+	}
+	plain := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{UID: "api-uid"}}
+	if got := enroll.SandboxUID(plain); got != "api-uid" {
+		t.Errorf("API pod: %q, want its UID", got)
+	}
+}
