@@ -9,6 +9,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	listersv1 "k8s.io/client-go/listers/core/v1"
@@ -107,5 +108,29 @@ func handlerFuncs(add func(obj any), del func(obj any)) cache.ResourceEventHandl
 		AddFunc:    add,
 		UpdateFunc: func(_, obj any) { add(obj) },
 		DeleteFunc: del,
+	}
+}
+
+// sandboxCheckInterval paces the backstop sweep over enrolled pods. Pod
+// updates already reconcile (and so verify) a pod whose sandbox the kubelet
+// recreated; the sweep catches one whose status did not change. Each check
+// is one procfs scan (about 6 ms with 100 processes here, growing with the
+// node's process count), so the sweep stays slow.
+const sandboxCheckInterval = 5 * time.Minute
+
+// checkSandboxes queues every enrolled pod each interval; reconcile then
+// verifies that its sandbox is the netns inpod holds.
+func checkSandboxes(ctx context.Context, every time.Duration, enrolled func() []types.NamespacedName, queue interface{ Add(types.NamespacedName) }) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			for _, key := range enrolled() {
+				queue.Add(key)
+			}
+		}
 	}
 }

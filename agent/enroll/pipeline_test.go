@@ -10,8 +10,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -115,9 +115,9 @@ func (r *recorder) Failed(string)                  {}
 func (r *recorder) Removed()                       {}
 
 type fixture struct {
-	t     *testing.T
-	p     *enroll.Pipeline
-	cache *podCache
+	t      *testing.T
+	p      *enroll.Pipeline
+	cache  *podCache
 	rec    *recorder
 	probes *probes
 	sock   string
