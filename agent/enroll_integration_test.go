@@ -5,6 +5,7 @@ package agent_test
 import (
 	"context"
 	"encoding/pem"
+	"errors"
 	"io"
 	"log/slog"
 	"net/http"
@@ -99,7 +100,7 @@ func TestIntegrationADDDuringAgentStartUpNeverPassesAnEnrolledPod(t *testing.T) 
 	go func() { done <- a.Run(ctx) }()
 	t.Cleanup(func() {
 		cancel()
-		if err := <-done; err != nil {
+		if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
 			t.Errorf("agent: %v", err)
 		}
 	})

@@ -39,8 +39,8 @@ type (
 		Add(ctx context.Context, w zds.Workload) error
 		Del(ctx context.Context, uid string) error
 	}
-	// Pods reads the informer cache, and the API once for a pod the cache
-	// has not seen yet.
+	// Pods reads the informer cache, and the API once for an object the
+	// cache has not delivered within a bounded wait.
 	Pods interface {
 		Pod(ctx context.Context, namespace, name string) (*corev1.Pod, error)
 		// Namespace waits (bounded) for the cache to deliver a
