@@ -328,6 +328,9 @@ func (p *Pipeline) unpublish(ctx context.Context, uid types.UID, old *entry) {
 	if old != nil {
 		return
 	}
+	// The ADD's context may be what ran out; the withdrawal still goes.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
 	if err := p.cfg.Ztunnel.Del(ctx, string(uid)); err != nil {
 		p.log.Warn("could not withdraw a pod whose start failed from ztunnel; its next snapshot drops it", "uid", uid, "err", err)
 	}
