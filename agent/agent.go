@@ -295,6 +295,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		queue.ShutDown()
 	}()
 	goRun("reconciler", func() error { defer close(reconcilerDone); a.reconcileLoop(ctx, queue, pods); return nil })
+	goRun("sandbox check", func() error { checkSandboxes(ctx, sandboxCheckInterval, a.pipeline.Enrolled, queue); return nil })
 
 	if err := zdsServer.Listen(); err != nil {
 		return err

@@ -9,6 +9,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	listersv1 "k8s.io/client-go/listers/core/v1"
@@ -39,14 +40,36 @@ func newInformers(client kubernetes.Interface, node string) (podInf, nsInf infor
 }
 
 func (c *podCache) Pod(ctx context.Context, namespace, name string) (*corev1.Pod, error) {
-	deadline := time.Now().Add(c.cacheWait)
+	return cachedOrRead(ctx, c.cacheWait,
+		func() (*corev1.Pod, error) { return c.pods.Pods(namespace).Get(name) },
+		func(ctx context.Context) (*corev1.Pod, error) {
+			return c.client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+		})
+}
+
+// Namespace is waited for like a pod: the namespace watch may lag the pod
+// watch (a namespace created just before its pod, an agent whose namespace
+// LIST is slow or throttled at start-up), and a namespace missing from the
+// cache must never read as "not labelled".
+func (c *podCache) Namespace(ctx context.Context, name string) (*corev1.Namespace, error) {
+	return cachedOrRead(ctx, c.cacheWait,
+		func() (*corev1.Namespace, error) { return c.namespaces.Get(name) },
+		func(ctx context.Context) (*corev1.Namespace, error) {
+			return c.client.CoreV1().Namespaces().Get(ctx, name, metav1.GetOptions{})
+		})
+}
+
+// cachedOrRead answers from the cache, waiting up to wait for the watch to
+// deliver an object it lacks, then reads the API once.
+func cachedOrRead[T any](ctx context.Context, wait time.Duration, cached func() (T, error), read func(context.Context) (T, error)) (T, error) {
+	deadline := time.Now().Add(wait)
 	for {
-		pod, err := c.pods.Pods(namespace).Get(name)
+		obj, err := cached()
 		if err == nil {
-			return pod, nil
+			return obj, nil
 		}
 		if !apierrors.IsNotFound(err) {
-			return nil, err
+			return obj, err
 		}
 		if time.Now().After(deadline) || ctx.Err() != nil {
 			break
@@ -55,11 +78,7 @@ func (c *podCache) Pod(ctx context.Context, namespace, name string) (*corev1.Pod
 	}
 	rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	return c.client.CoreV1().Pods(namespace).Get(rctx, name, metav1.GetOptions{})
-}
-
-func (c *podCache) Namespace(name string) (*corev1.Namespace, error) {
-	return c.namespaces.Get(name)
+	return read(rctx)
 }
 
 // notEnrolled decides, from the cache, whether a pod is known not to be
@@ -92,5 +111,29 @@ func handlerFuncs(add func(obj any), del func(obj any)) cache.ResourceEventHandl
 		AddFunc:    add,
 		UpdateFunc: func(_, obj any) { add(obj) },
 		DeleteFunc: del,
+	}
+}
+
+// sandboxCheckInterval paces the backstop sweep over enrolled pods. Pod
+// updates already reconcile (and so verify) a pod whose sandbox the kubelet
+// recreated; the sweep catches one whose status did not change. Each check
+// is one procfs scan (about 6 ms with 100 processes here, growing with the
+// node's process count), so the sweep stays slow.
+const sandboxCheckInterval = 5 * time.Minute
+
+// checkSandboxes queues every enrolled pod each interval; reconcile then
+// verifies that its sandbox is the netns inpod holds.
+func checkSandboxes(ctx context.Context, every time.Duration, enrolled func() []types.NamespacedName, queue interface{ Add(types.NamespacedName) }) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			for _, key := range enrolled() {
+				queue.Add(key)
+			}
+		}
 	}
 }

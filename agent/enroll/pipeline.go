@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"slices"
 	"sync"
 	"time"
 
@@ -38,11 +39,14 @@ type (
 		Add(ctx context.Context, w zds.Workload) error
 		Del(ctx context.Context, uid string) error
 	}
-	// Pods reads the informer cache, and the API once for a pod the cache
-	// has not seen yet.
+	// Pods reads the informer cache, and the API once for an object the
+	// cache has not delivered within a bounded wait.
 	Pods interface {
 		Pod(ctx context.Context, namespace, name string) (*corev1.Pod, error)
-		Namespace(name string) (*corev1.Namespace, error)
+		// Namespace waits (bounded) for the cache to deliver a
+		// namespace it lacks, then reads the API once; an error means
+		// the namespace is not known.
+		Namespace(ctx context.Context, name string) (*corev1.Namespace, error)
 	}
 	// NetnsFinder locates a running pod's netns (podnetns.Finder).
 	NetnsFinder interface {
@@ -88,15 +92,25 @@ type Pipeline struct {
 
 	mu       sync.Mutex
 	enrolled map[types.UID]*entry
-	locks    map[types.UID]*sync.Mutex
+	locks    map[types.UID]*podLock
+}
+
+// podLock serialises the operations on one pod; it lives while someone
+// holds or waits for it.
+type podLock struct {
+	sync.Mutex
+	users int
 }
 
 type entry struct {
 	pod   types.NamespacedName
 	netns *os.File
 	id    netns.Identity
-	ips   []netip.Addr
-	info  zds.Workload
+	// containerID is the sandbox's, from its CNI ADD; "" when unknown
+	// (enrolled through procfs).
+	containerID string
+	ips         []netip.Addr
+	info        zds.Workload
 }
 
 // New returns an empty pipeline.
@@ -106,19 +120,27 @@ func New(cfg Config) *Pipeline {
 		log = slog.Default()
 	}
 	return &Pipeline{cfg: cfg, log: log.With("component", "enroll"),
-		enrolled: map[types.UID]*entry{}, locks: map[types.UID]*sync.Mutex{}}
+		enrolled: map[types.UID]*entry{}, locks: map[types.UID]*podLock{}}
 }
 
 func (p *Pipeline) lock(uid types.UID) func() {
 	p.mu.Lock()
 	l, ok := p.locks[uid]
 	if !ok {
-		l = &sync.Mutex{}
+		l = &podLock{}
 		p.locks[uid] = l
 	}
+	l.users++
 	p.mu.Unlock()
 	l.Lock()
-	return l.Unlock
+	return func() {
+		l.Unlock()
+		p.mu.Lock()
+		if l.users--; l.users == 0 {
+			delete(p.locks, uid)
+		}
+		p.mu.Unlock()
+	}
 }
 
 // failure is an error with a reason a user can act on, for events and
@@ -135,9 +157,10 @@ func fail(reason string, format string, args ...any) error {
 	return &failure{reason: reason, err: fmt.Errorf(format, args...)}
 }
 
-// Add handles the plugin's ADD: the pod is enrolled (by the informer cache)
-// or not; when it is, its rules are applied and ztunnel has acknowledged it
-// before Redirected is answered.
+// Add handles the plugin's ADD: the pod is enrolled or not, decided from
+// positive knowledge of the pod and, where the pod's labels leave it open,
+// its namespace; when it is, its rules are applied and ztunnel has
+// acknowledged it before Redirected is answered.
 func (p *Pipeline) Add(ctx context.Context, req *cnievent.Request) (cnievent.Outcome, error) {
 	start := time.Now()
 	pod, err := p.cfg.Pods.Pod(ctx, req.PodNamespace, req.PodName)
@@ -153,8 +176,12 @@ func (p *Pipeline) Add(ctx context.Context, req *cnievent.Request) (cnievent.Out
 		p.observeFailure("StalePod")
 		return cnievent.Failed, fmt.Errorf("pod %s has uid %s, the runtime named %s; refusing a stale sandbox", req.Pod(), pod.UID, req.PodUID)
 	}
-	ns, _ := p.cfg.Pods.Namespace(pod.Namespace)
-	if !p.cfg.Policy.Enrolled(pod, ns) {
+	want, err := p.wants(ctx, pod)
+	if err != nil {
+		// Unknown is not "not enrolled": the runtime retries the ADD.
+		return cnievent.Failed, p.report(pod, fail("NamespaceUnknown", "%v", err))
+	}
+	if !want {
 		return cnievent.NotEnrolled, nil
 	}
 	var ips []netip.Addr
@@ -165,55 +192,100 @@ func (p *Pipeline) Add(ctx context.Context, req *cnievent.Request) (cnievent.Out
 	}
 	nsFile, err := netns.Open(req.Netns)
 	if err != nil {
-		p.report(pod, fail("NetnsUnavailable", "open the pod's netns %s: %v", req.Netns, err))
-		return cnievent.Failed, err
+		return cnievent.Failed, p.report(pod, fail("NetnsUnavailable", "open the pod's netns %s: %v", req.Netns, err))
 	}
-	if err := p.enroll(ctx, pod, nsFile, ips, true); err != nil {
+	defer p.lock(pod.UID)()
+	if err := p.enroll(ctx, pod, sandbox{netns: nsFile, ips: ips, containerID: req.ContainerID}, true); err != nil {
 		return cnievent.Failed, err
 	}
 	p.cfg.Observer.Enrolled("cni", time.Since(start))
 	return cnievent.Redirected, nil
 }
 
-// enroll takes ownership of nsFile: it is kept on success, closed on error.
-//
-// For a new sandbox (fromCNI) every failure fails the pod's start, and
-// rules this call installed are taken out again. For a running pod
-// (reconcile, restart) its rules are never removed on a ztunnel problem: the
-// pod stays in the table and reaches ztunnel through the next snapshot.
-func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, nsFile *os.File, ips []netip.Addr, fromCNI bool) error {
-	defer p.lock(pod.UID)()
-	key := types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}
-	id, err := netns.IdentityOf(int(nsFile.Fd()))
+// wants applies the policy, reading the pod's namespace only when the pod's
+// own labels leave the answer to it. An error means the namespace is not
+// known (the look-up waits, bounded, and reads the API once): the caller
+// must not take that for "not enrolled".
+func (p *Pipeline) wants(ctx context.Context, pod *corev1.Pod) (bool, error) {
+	if enrolled, decided := p.cfg.Policy.ByPod(pod); decided {
+		return enrolled, nil
+	}
+	ns, err := p.cfg.Pods.Namespace(ctx, pod.Namespace)
 	if err != nil {
-		nsFile.Close()
+		return false, fmt.Errorf("namespace %s of pod %s/%s is not known, so its enrollment cannot be decided: %w", pod.Namespace, pod.Namespace, pod.Name, err)
+	}
+	return p.cfg.Policy.Enrolled(pod, ns), nil
+}
+
+// sandbox is one pod sandbox as enroll takes it.
+type sandbox struct {
+	netns *os.File
+	ips   []netip.Addr
+	// containerID is the runtime's sandbox id from the CNI request; ""
+	// when the sandbox was found through procfs, which does not tell it.
+	containerID string
+}
+
+// enroll takes ownership of sb.netns: it is kept on success, closed on
+// error. The caller holds the pod's lock.
+//
+// The pod is in the table, and so in every snapshot a ztunnel that connects
+// meanwhile receives, before its Add goes out (ZDS.Add picks the newest
+// connection, which may not be the one that got the snapshot).
+//
+// For a new sandbox (fromCNI) every failure fails the pod's start and is
+// rolled back: rules this call installed, and the table entry. For a running
+// pod (reconcile, restart) its rules are never removed on a ztunnel problem:
+// the pod stays in the table and reaches ztunnel through the next snapshot.
+func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, fromCNI bool) error {
+	key := types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}
+	id, err := netns.IdentityOf(int(sb.netns.Fd()))
+	if err != nil {
+		sb.netns.Close()
 		return p.report(pod, fail("NetnsUnavailable", "%v", err))
 	}
-	p.mu.Lock()
-	old := p.enrolled[pod.UID]
-	p.mu.Unlock()
+	old := p.entry(pod.UID)
+	sameSandbox := old != nil && old.id == id
+	if sb.containerID == "" && sameSandbox {
+		sb.containerID = old.containerID
+	}
+	// Every failure below goes through abort, which undoes what this call
+	// did to a new sandbox and reports why.
+	var rulesWritten, published bool
+	abort := func(f error) error {
+		if fromCNI && !sameSandbox {
+			if published {
+				p.unpublish(ctx, pod.UID, old)
+			}
+			if rulesWritten {
+				if _, err := p.cfg.Rules.Remove(sb.netns); err != nil {
+					p.log.Error("could not take the rules out of a sandbox whose start failed", "pod", key, "err", err)
+				}
+			}
+		}
+		if fromCNI && sameSandbox && published {
+			p.setEntry(pod.UID, old)
+		}
+		sb.netns.Close()
+		return p.report(pod, f)
+	}
+
 	if old == nil {
 		p.cfg.Annotations.Set(key, AnnotationPending)
 	}
-	applied, err := p.cfg.Rules.Apply(nsFile, p.cfg.Options)
+	applied, err := p.cfg.Rules.Apply(sb.netns, p.cfg.Options)
+	rulesWritten = applied.Changed
 	if err != nil {
-		nsFile.Close()
-		return p.report(pod, fail("RedirectionFailed", "apply redirection rules: %v", err))
+		return abort(fail("RedirectionFailed", "apply redirection rules: %v", err))
 	}
-	// Only a fresh sandbox whose rules this call wrote is rolled back.
-	rollback := func() {
-		if fromCNI && applied.Changed && (old == nil || old.id != id) {
-			p.cfg.Rules.Remove(nsFile)
-		}
-	}
-	for _, ip := range ips {
+	for _, ip := range sb.ips {
 		if err := p.cfg.Probes.Add(ip); err != nil {
-			rollback()
-			nsFile.Close()
-			return p.report(pod, fail("ProbeExemptionFailed", "exempt kubelet probes to %s: %v", ip, err))
+			return abort(fail("ProbeExemptionFailed", "exempt kubelet probes to %s: %v", ip, err))
 		}
 	}
-	info := zds.Workload{UID: string(pod.UID), Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName, NetNS: nsFile}
+	info := zds.Workload{UID: string(pod.UID), Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName, NetNS: sb.netns}
+	p.setEntry(pod.UID, &entry{pod: key, netns: sb.netns, id: id, containerID: sb.containerID, ips: sb.ips, info: info})
+	published = true
 	if err := p.cfg.Ztunnel.Add(ctx, info); err != nil {
 		reason := "ZtunnelRejected"
 		if errors.Is(err, zds.ErrNoConnection) {
@@ -224,26 +296,61 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, nsFile *os.File,
 		if fromCNI {
 			// Rules without ztunnel's listeners would black-hole the
 			// pod's traffic; the pod does not start anyway.
-			rollback()
-			nsFile.Close()
-			return p.report(pod, fail(reason, "hand the pod to ztunnel: %v", err))
+			return abort(fail(reason, "hand the pod to ztunnel: %v", err))
 		}
 		if !errors.Is(err, zds.ErrNoConnection) {
 			p.report(pod, fail(reason, "hand the running pod to ztunnel (it stays enrolled and is in every snapshot): %v", err))
 		}
 	}
-	p.mu.Lock()
-	p.enrolled[pod.UID] = &entry{pod: key, netns: nsFile, id: id, ips: ips, info: info}
-	p.mu.Unlock()
-	if old != nil && old.netns != nsFile {
+	if old != nil && old.netns != sb.netns {
 		old.netns.Close()
-		if old.id != id {
+		if !sameSandbox {
 			p.log.Info("pod sandbox was recreated; re-enrolled with the new netns", "pod", key, "old", old.id, "new", id)
+		}
+		for _, ip := range old.ips {
+			if !slices.Contains(sb.ips, ip) {
+				if err := p.cfg.Probes.Remove(ip); err != nil {
+					p.log.Warn("could not drop the old sandbox's probe exemption; pruned at the next restart", "pod", key, "ip", ip, "err", err)
+				}
+			}
 		}
 	}
 	p.cfg.Annotations.Set(key, AnnotationEnabled)
-	p.log.Info("pod enrolled", "pod", key, "uid", pod.UID, "netns", id, "ips", ips)
+	p.log.Info("pod enrolled", "pod", key, "uid", pod.UID, "netns", id, "containerID", sb.containerID, "ips", sb.ips)
 	return nil
+}
+
+// unpublish takes a new sandbox whose start failed out of the table again:
+// the previous entry comes back, or the pod leaves the table and every
+// ztunnel is told, since a snapshot sent meanwhile named it.
+func (p *Pipeline) unpublish(ctx context.Context, uid types.UID, old *entry) {
+	p.setEntry(uid, old)
+	if old != nil {
+		return
+	}
+	// The ADD's context may be what ran out; the withdrawal still goes.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if err := p.cfg.Ztunnel.Del(ctx, string(uid)); err != nil {
+		p.log.Warn("could not withdraw a pod whose start failed from ztunnel; its next snapshot drops it", "uid", uid, "err", err)
+	}
+}
+
+func (p *Pipeline) entry(uid types.UID) *entry {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.enrolled[uid]
+}
+
+// setEntry puts e in the table, or takes the pod out when e is nil.
+func (p *Pipeline) setEntry(uid types.UID, e *entry) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if e == nil {
+		delete(p.enrolled, uid)
+		return
+	}
+	p.enrolled[uid] = e
 }
 
 func (p *Pipeline) report(pod *corev1.Pod, err error) error {
@@ -260,43 +367,68 @@ func (p *Pipeline) report(pod *corev1.Pod, err error) error {
 
 func (p *Pipeline) observeFailure(reason string) { p.cfg.Observer.Failed(reason) }
 
-// Del handles the plugin's DEL: the sandbox is going away.
+// Del handles the plugin's DEL: the sandbox is going away. It acts only on
+// the sandbox the pod is enrolled with: the same container ID, or, for a pod
+// enrolled through procfs (its container ID unknown), a netns path that
+// resolves to the held netns. Anything else (an older sandbox's DEL, with
+// its netns already gone or not) is ignored: acting on it would leave the
+// live sandbox unredirected, while ignoring a real one only leaves the pod in
+// the table until its pod watch or the sandbox check removes it.
 func (p *Pipeline) Del(ctx context.Context, req *cnievent.Request) (cnievent.Outcome, error) {
-	uid, ok := p.uidFor(req)
+	uid, ok := p.lookup(req)
 	if !ok {
 		return cnievent.NotEnrolled, nil
 	}
-	if req.Netns != "" {
-		// A DEL for an older sandbox of a re-enrolled pod must not undo
-		// the current one.
-		if id, err := netns.IdentityOfPath(req.Netns); err == nil {
-			p.mu.Lock()
-			e := p.enrolled[uid]
-			p.mu.Unlock()
-			if e != nil && e.id != id {
-				return cnievent.NotEnrolled, nil
-			}
-		}
+	defer p.lock(uid)()
+	e := p.entry(uid)
+	if e == nil {
+		return cnievent.NotEnrolled, nil
 	}
-	if err := p.Unenroll(ctx, uid); err != nil {
+	if !e.names(req) {
+		p.log.Info("ignoring a DEL for a sandbox the pod is not enrolled with", "pod", e.pod, "containerID", req.ContainerID, "enrolledContainerID", e.containerID, "netns", req.Netns)
+		return cnievent.NotEnrolled, nil
+	}
+	if err := p.unenroll(ctx, uid, e); err != nil {
 		return cnievent.Failed, err
 	}
 	return cnievent.Redirected, nil
 }
 
+// names reports whether req is about the sandbox e holds.
+func (e *entry) names(req *cnievent.Request) bool {
+	if e.containerID != "" {
+		return req.ContainerID == e.containerID
+	}
+	return e.holds(req.Netns)
+}
+
+// holds reports whether path resolves to the held netns.
+func (e *entry) holds(path string) bool {
+	if path == "" {
+		return false
+	}
+	id, err := netns.IdentityOfPath(path)
+	return err == nil && id == e.id
+}
+
 // Check verifies an enrolled pod's rules by re-applying them: an intact set
-// writes nothing; a repaired one is reported, since something changed it.
+// writes nothing; a repaired one is reported, since something changed it. A
+// CHECK whose netns is the held one also tells a pod enrolled through procfs
+// its container ID.
 func (p *Pipeline) Check(ctx context.Context, req *cnievent.Request) (cnievent.Outcome, error) {
-	uid, ok := p.uidFor(req)
+	uid, ok := p.lookup(req)
 	if !ok {
 		return cnievent.NotEnrolled, nil
 	}
 	defer p.lock(uid)()
-	p.mu.Lock()
-	e := p.enrolled[uid]
-	p.mu.Unlock()
+	e := p.entry(uid)
 	if e == nil {
 		return cnievent.NotEnrolled, nil
+	}
+	if e.containerID == "" && req.ContainerID != "" && e.holds(req.Netns) {
+		p.mu.Lock()
+		e.containerID = req.ContainerID
+		p.mu.Unlock()
 	}
 	res, err := p.cfg.Rules.Apply(e.netns, p.cfg.Options)
 	if err != nil {
@@ -308,19 +440,14 @@ func (p *Pipeline) Check(ctx context.Context, req *cnievent.Request) (cnievent.O
 	return cnievent.Redirected, nil
 }
 
-func (p *Pipeline) uidFor(req *cnievent.Request) (types.UID, bool) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
+// lookup finds the enrolled pod a CNI request names: by the runtime's pod
+// UID when it sent one, else by name.
+func (p *Pipeline) lookup(req *cnievent.Request) (types.UID, bool) {
 	if req.PodUID != "" {
-		_, ok := p.enrolled[types.UID(req.PodUID)]
-		return types.UID(req.PodUID), ok
+		uid := types.UID(req.PodUID)
+		return uid, p.IsEnrolled(uid)
 	}
-	for uid, e := range p.enrolled {
-		if e.pod.Namespace == req.PodNamespace && e.pod.Name == req.PodName {
-			return uid, true
-		}
-	}
-	return "", false
+	return p.UIDOf(types.NamespacedName{Namespace: req.PodNamespace, Name: req.PodName})
 }
 
 // Unenroll removes a pod from the mesh: rules out of its netns (still open
@@ -328,12 +455,15 @@ func (p *Pipeline) uidFor(req *cnievent.Request) (types.UID, bool) {
 // annotation dropped.
 func (p *Pipeline) Unenroll(ctx context.Context, uid types.UID) error {
 	defer p.lock(uid)()
-	p.mu.Lock()
-	e := p.enrolled[uid]
-	p.mu.Unlock()
+	e := p.entry(uid)
 	if e == nil {
 		return nil
 	}
+	return p.unenroll(ctx, uid, e)
+}
+
+// unenroll is Unenroll with the pod's lock held.
+func (p *Pipeline) unenroll(ctx context.Context, uid types.UID, e *entry) error {
 	var errs []error
 	if _, err := p.cfg.Rules.Remove(e.netns); err != nil {
 		errs = append(errs, fmt.Errorf("remove rules: %w", err))
@@ -349,10 +479,7 @@ func (p *Pipeline) Unenroll(ctx context.Context, uid types.UID) error {
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	p.mu.Lock()
-	delete(p.enrolled, uid)
-	delete(p.locks, uid)
-	p.mu.Unlock()
+	p.setEntry(uid, nil)
 	e.netns.Close()
 	p.cfg.Annotations.Set(e.pod, "")
 	p.cfg.Observer.Removed()
@@ -424,14 +551,21 @@ func (p *Pipeline) EnrolledIPs() []netip.Addr {
 // Reconcile brings one running pod to what the policy says: enrolled pods
 // found through procfs get their rules (an intact set is left alone, so a
 // restarted agent never disturbs running traffic), unenrolled or finished
-// ones are removed.
+// ones are removed, and an enrolled pod whose sandbox changed without a CNI
+// ADD reaching inpod is re-enrolled with its new netns. A pod whose
+// namespace is not known is left as it is (the error retries it).
 func (p *Pipeline) Reconcile(ctx context.Context, pod *corev1.Pod) error {
-	ns, _ := p.cfg.Pods.Namespace(pod.Namespace)
-	want := p.cfg.Policy.Enrolled(pod, ns) && pod.DeletionTimestamp == nil &&
-		pod.Status.Phase != corev1.PodSucceeded && pod.Status.Phase != corev1.PodFailed
-	have := p.IsEnrolled(pod.UID)
+	defer p.lock(pod.UID)()
+	want := false
+	if pod.DeletionTimestamp == nil && pod.Status.Phase != corev1.PodSucceeded && pod.Status.Phase != corev1.PodFailed {
+		var err error
+		if want, err = p.wants(ctx, pod); err != nil {
+			return err
+		}
+	}
+	e := p.entry(pod.UID)
 	switch {
-	case want && !have:
+	case want && e == nil:
 		ips := podIPs(pod)
 		if len(ips) == 0 {
 			// No sandbox network yet: the CNI ADD will enroll it.
@@ -442,18 +576,56 @@ func (p *Pipeline) Reconcile(ctx context.Context, pod *corev1.Pod) error {
 			return p.report(pod, fail("NetnsNotFound", "find the running pod's netns: %v", err))
 		}
 		start := time.Now()
-		if err := p.enroll(ctx, pod, f, ips, false); err != nil {
+		if err := p.enroll(ctx, pod, sandbox{netns: f, ips: ips}, false); err != nil {
 			return err
 		}
 		p.cfg.Observer.Enrolled("reconcile", time.Since(start))
 		return nil
-	case !want && have:
-		return p.Unenroll(ctx, pod.UID)
-	case want && have:
+	case !want && e != nil:
+		return p.unenroll(ctx, pod.UID, e)
+	case want && e != nil:
+		if err := p.verifySandbox(ctx, pod, e); err != nil {
+			return err
+		}
 		// Converge the annotation (a crash between the reply and the
 		// patch must heal).
 		p.cfg.Annotations.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, AnnotationEnabled)
 	}
+	return nil
+}
+
+// verifySandbox looks for the enrolled pod's sandbox through procfs (a
+// process in the pod's cgroup whose netns holds the IPs its status reports)
+// and re-enrolls it when that is not the netns held: the sandbox was
+// recreated while inpod was missing from the CNI chain, so it runs
+// unredirected and ztunnel holds a dead netns. The pod's lock is held.
+func (p *Pipeline) verifySandbox(ctx context.Context, pod *corev1.Pod, e *entry) error {
+	ips := podIPs(pod)
+	if len(ips) == 0 {
+		return nil
+	}
+	f, err := p.cfg.Finder.Find(string(pod.UID), ips)
+	if err != nil {
+		if slices.Equal(ips, e.ips) {
+			// Nothing says the sandbox changed: the pod may be stopping,
+			// and the held netns is still the one enrolled.
+			return nil
+		}
+		return p.report(pod, fail("NetnsNotFound", "the pod reports IPs %v, its enrolled sandbox holds %v, and no netns of the pod holds them: %v", ips, e.ips, err))
+	}
+	id, err := netns.IdentityOf(int(f.Fd()))
+	if err != nil || id == e.id {
+		f.Close()
+		return nil
+	}
+	key := types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}
+	p.log.Warn("enrolled pod runs in a sandbox inpod did not enroll; re-enrolling it", "pod", key, "held", e.id, "found", id)
+	p.cfg.Events.Warn(pod, "SandboxChanged", fmt.Sprintf("the pod's sandbox changed (netns %s → %s) without its CNI ADD reaching inpod; redirecting the new sandbox", e.id, id))
+	start := time.Now()
+	if err := p.enroll(ctx, pod, sandbox{netns: f, ips: ips}, false); err != nil {
+		return err
+	}
+	p.cfg.Observer.Enrolled("sandbox-check", time.Since(start))
 	return nil
 }
 
@@ -492,4 +664,15 @@ func (p *Pipeline) UIDOf(pod types.NamespacedName) (types.UID, bool) {
 		}
 	}
 	return "", false
+}
+
+// Enrolled lists the enrolled pods by name, for the periodic sandbox check.
+func (p *Pipeline) Enrolled() []types.NamespacedName {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([]types.NamespacedName, 0, len(p.enrolled))
+	for _, e := range p.enrolled {
+		out = append(out, e.pod)
+	}
+	return out
 }

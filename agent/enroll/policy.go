@@ -34,18 +34,31 @@ type Policy struct {
 // namespaces; the pod's own label wins ("none" opts out); otherwise the
 // namespace's label decides.
 func (p Policy) Enrolled(pod *corev1.Pod, ns *corev1.Namespace) bool {
+	if enrolled, decided := p.ByPod(pod); decided {
+		return enrolled
+	}
+	return ns != nil && ns.Labels[p.label()] == DataplaneAmbient
+}
+
+// ByPod decides from the pod alone where it can; decided is false when the
+// answer is its namespace's label, which must then be known (a missing
+// namespace is not "not enrolled").
+func (p Policy) ByPod(pod *corev1.Pod) (enrolled, decided bool) {
 	if pod == nil || pod.Spec.HostNetwork || slices.Contains(p.ExcludedNamespaces, pod.Namespace) {
-		return false
+		return false, true
 	}
-	label := p.Label
-	if label == "" {
-		label = DataplaneModeLabel
-	}
-	switch pod.Labels[label] {
+	switch pod.Labels[p.label()] {
 	case DataplaneAmbient:
-		return true
+		return true, true
 	case DataplaneNone:
-		return false
+		return false, true
 	}
-	return ns != nil && ns.Labels[label] == DataplaneAmbient
+	return false, false
+}
+
+func (p Policy) label() string {
+	if p.Label == "" {
+		return DataplaneModeLabel
+	}
+	return p.Label
 }

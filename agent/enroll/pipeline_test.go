@@ -1,0 +1,624 @@
+package enroll_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/uuid"
+
+	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/agent/podnetns"
+	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/internal/testkit"
+	"github.com/inpod-dev/inpod/netns"
+	"github.com/inpod-dev/inpod/netns/netnstest"
+	"github.com/inpod-dev/inpod/zds"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
+)
+
+// The pipeline against real pieces: the nftables engine in real netns, the
+// host probe set in a scratch node netns, a real zds.Server with real
+// stand-ins, and procfs. Only the pod cache is a fixture (it can be told to
+// lose a namespace), and events are recorded.
+
+const waitFor = 10 * time.Second
+
+// podCache holds the pods and namespaces the test declares.
+type podCache struct {
+	mu         sync.Mutex
+	pods       map[string]*corev1.Pod
+	namespaces map[string]*corev1.Namespace
+	// nsErr, when set, is what every namespace look-up answers: the cache
+	// and the API could not tell.
+	nsErr error
+}
+
+func (c *podCache) Pod(_ context.Context, namespace, name string) (*corev1.Pod, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if p, ok := c.pods[namespace+"/"+name]; ok {
+		return p, nil
+	}
+	return nil, apierrors.NewNotFound(schema.GroupResource{Resource: "pods"}, name)
+}
+
+func (c *podCache) Namespace(_ context.Context, name string) (*corev1.Namespace, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.nsErr != nil {
+		return nil, c.nsErr
+	}
+	if ns, ok := c.namespaces[name]; ok {
+		return ns, nil
+	}
+	return nil, apierrors.NewNotFound(schema.GroupResource{Resource: "namespaces"}, name)
+}
+
+func (c *podCache) loseNamespaces(err error) {
+	c.mu.Lock()
+	c.nsErr = err
+	c.mu.Unlock()
+}
+
+type event struct{ pod, reason, message string }
+
+type recorder struct {
+	mu     sync.Mutex
+	events []event
+	annots map[types.NamespacedName]string
+}
+
+func (r *recorder) Warn(pod *corev1.Pod, reason, message string) {
+	r.mu.Lock()
+	r.events = append(r.events, event{pod.Namespace + "/" + pod.Name, reason, message})
+	r.mu.Unlock()
+}
+
+func (r *recorder) Set(pod types.NamespacedName, value string) {
+	r.mu.Lock()
+	r.annots[pod] = value
+	r.mu.Unlock()
+}
+
+func (r *recorder) reasons() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []string
+	for _, e := range r.events {
+		out = append(out, e.reason)
+	}
+	return out
+}
+
+func (r *recorder) Enrolled(string, time.Duration) {}
+func (r *recorder) Failed(string)                  {}
+func (r *recorder) Removed()                       {}
+
+type fixture struct {
+	t      *testing.T
+	p      *enroll.Pipeline
+	cache  *podCache
+	rec    *recorder
+	probes *probes
+	sock   string
+}
+
+func newFixture(t *testing.T) *fixture {
+	t.Helper()
+	netnstest.RequireRoot(t)
+	node := netnstest.New(t)
+	hostProbes := redirect.NewHostProbes(node.Open(t))
+	if err := hostProbes.Ensure(); err != nil {
+		t.Fatal(err)
+	}
+	f := &fixture{t: t, probes: &probes{HostProbes: hostProbes},
+		cache: &podCache{pods: map[string]*corev1.Pod{}, namespaces: map[string]*corev1.Namespace{
+			"mesh":  {ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}},
+			"plain": {ObjectMeta: metav1.ObjectMeta{Name: "plain"}},
+		}},
+		rec:  &recorder{annots: map[types.NamespacedName]string{}},
+		sock: filepath.Join(testkit.ShortTempDir(t, "enroll-"), "ztunnel.sock"),
+	}
+	log := slog.New(slog.NewTextHandler(tlog{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	var srv *zds.Server
+	f.p = enroll.New(enroll.Config{
+		Rules:       redirect.NewEngine(redirect.NewNFTables()),
+		Probes:      f.probes,
+		Ztunnel:     ztunnelRef{&srv},
+		Pods:        f.cache,
+		Finder:      podnetns.Finder{},
+		Annotations: f.rec,
+		Events:      f.rec,
+		Observer:    f.rec,
+		Logger:      log,
+	})
+	t.Cleanup(f.p.Close)
+	srv, err := zds.NewServer(zds.Config{SocketPath: f.sock, Source: f.p, Logger: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { srv.Serve(ctx); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return f
+}
+
+// ztunnelRef lets the pipeline be built before the server that reads it.
+type ztunnelRef struct{ s **zds.Server }
+
+func (z ztunnelRef) Add(ctx context.Context, w zds.Workload) error { return (*z.s).Add(ctx, w) }
+func (z ztunnelRef) Del(ctx context.Context, uid string) error     { return (*z.s).Del(ctx, uid) }
+
+type tlog struct{ t testing.TB }
+
+func (w tlog) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimSpace(string(p)))
+	return len(p), nil
+}
+
+// standin connects a ztunnel stand-in, waits for its snapshot, and stops it
+// at cleanup (or earlier through the returned func).
+func (f *fixture) standin(cfg ztunnel.Config) (*ztunnel.Standin, func()) {
+	f.t.Helper()
+	cfg.SocketPath = f.sock
+	cfg.MinBackoff, cfg.MaxBackoff = 10*time.Millisecond, 50*time.Millisecond
+	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	z := ztunnel.New(cfg)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { z.Run(ctx); close(done) }()
+	var once sync.Once
+	stop := func() { once.Do(func() { cancel(); <-done }) }
+	f.t.Cleanup(stop)
+	testkit.Eventually(f.t, waitFor, "the stand-in's snapshot", z.SnapshotDone)
+	return z, stop
+}
+
+// sandbox is a pod's netns with an address, as a primary CNI leaves it.
+type sandbox struct {
+	*netnstest.NetNS
+	ip netip.Addr
+}
+
+var nextIP = netip.MustParseAddr("198.51.100.10")
+
+func (f *fixture) sandbox() sandbox {
+	f.t.Helper()
+	ns := netnstest.New(f.t)
+	ip := nextIP
+	nextIP = nextIP.Next()
+	ns.Exec(f.t, "ip", "addr", "add", ip.String()+"/32", "dev", "lo")
+	return sandbox{ns, ip}
+}
+
+// pod declares a pod in the cache.
+func (f *fixture) pod(namespace, name string, labels map[string]string) *corev1.Pod {
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name, UID: uuid.NewUUID(), Labels: labels}}
+	f.cache.mu.Lock()
+	f.cache.pods[namespace+"/"+name] = pod
+	f.cache.mu.Unlock()
+	return pod
+}
+
+func (f *fixture) running(pod *corev1.Pod, sb sandbox) *corev1.Pod {
+	p := pod.DeepCopy()
+	p.Status.Phase = corev1.PodRunning
+	p.Status.PodIP, p.Status.PodIPs = sb.ip.String(), []corev1.PodIP{{IP: sb.ip.String()}}
+	f.cache.mu.Lock()
+	f.cache.pods[p.Namespace+"/"+p.Name] = p
+	f.cache.mu.Unlock()
+	return p
+}
+
+func request(cmd cnievent.Command, pod *corev1.Pod, sb sandbox, containerID string) *cnievent.Request {
+	r := &cnievent.Request{Command: cmd, PodNamespace: pod.Namespace, PodName: pod.Name, PodUID: string(pod.UID),
+		ContainerID: containerID, IfName: "eth0"}
+	if sb.NetNS != nil {
+		r.Netns = sb.Path
+		r.IPs = []string{sb.ip.String()}
+	}
+	return r
+}
+
+func (f *fixture) add(pod *corev1.Pod, sb sandbox, containerID string) (cnievent.Outcome, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+	defer cancel()
+	return f.p.Add(ctx, request(cnievent.Add, pod, sb, containerID))
+}
+
+func hasRules(t *testing.T, sb sandbox) bool {
+	t.Helper()
+	return strings.Contains(sb.Exec(t, "nft", "list", "ruleset"), "table inet inpod")
+}
+
+func identity(t *testing.T, sb sandbox) netns.Identity {
+	t.Helper()
+	id, err := netns.IdentityOfPath(sb.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+// inZtunnel reports the netns the stand-in runs the pod in.
+func inZtunnel(z *ztunnel.Standin, pod *corev1.Pod) (netns.Identity, bool) {
+	w, ok := z.Workloads()[string(pod.UID)]
+	return w.NetNS, ok
+}
+
+// Invariant 1: an ADD whose pod leaves the decision to its namespace, while
+// that namespace cannot be known, fails closed (the runtime retries) rather
+// than answering "not enrolled"; a pod whose own labels decide needs no
+// namespace.
+func TestAddFailsClosedWhileThePodsNamespaceIsUnknown(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	f.cache.loseNamespaces(errors.New("namespace watch not synced and the API server unreachable"))
+
+	pod, sb := f.pod("mesh", "by-namespace", nil), f.sandbox()
+	out, err := f.add(pod, sb, "c1")
+	if out != cnievent.Failed || err == nil {
+		t.Fatalf("ADD with the namespace unknown = %q, %v; want failed (never not-enrolled)", out, err)
+	}
+	if hasRules(t, sb) || f.p.IsEnrolled(pod.UID) {
+		t.Fatal("a pod that could not be decided got rules or a table entry")
+	}
+	if got := f.rec.reasons(); len(got) != 1 || got[0] != "NamespaceUnknown" {
+		t.Fatalf("events %v, want one NamespaceUnknown", got)
+	}
+
+	// The pod's own label decides without its namespace, either way.
+	own, ownSB := f.pod("mesh", "own-label", map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}), f.sandbox()
+	if out, err := f.add(own, ownSB, "c2"); out != cnievent.Redirected {
+		t.Fatalf("ADD of a pod labelled ambient = %q, %v; want redirected", out, err)
+	}
+	if _, ok := inZtunnel(z, own); !ok || !hasRules(t, ownSB) {
+		t.Fatal("the pod labelled ambient was answered redirected without rules and ztunnel")
+	}
+	optOut, optSB := f.pod("mesh", "opted-out", map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneNone}), f.sandbox()
+	if out, err := f.add(optOut, optSB, "c3"); out != cnievent.NotEnrolled || err != nil {
+		t.Fatalf("ADD of a pod labelled none = %q, %v; want not-enrolled", out, err)
+	}
+
+	// Once the namespace is known again, the pod enrolls.
+	f.cache.loseNamespaces(nil)
+	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD with the namespace known = %q, %v", out, err)
+	}
+}
+
+// Invariant 1 for reconcile: a namespace missing from the cache never
+// unenrolls a running pod.
+func TestReconcileKeepsAPodWhoseNamespaceIsUnknown(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	pod, sb := f.pod("mesh", "a", nil), f.sandbox()
+	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	f.cache.loseNamespaces(errors.New("not in the cache, API unreachable"))
+	if err := f.p.Reconcile(context.Background(), f.running(pod, sb)); err == nil {
+		t.Fatal("Reconcile with the namespace unknown reported success; it must retry")
+	}
+	if !f.p.IsEnrolled(pod.UID) || !hasRules(t, sb) {
+		t.Fatal("Reconcile unenrolled a running pod because its namespace was missing")
+	}
+	if _, ok := inZtunnel(z, pod); !ok {
+		t.Fatal("ztunnel was told to drop the pod")
+	}
+}
+
+// Invariant 2: a ztunnel that connects while an Add is in flight to another
+// (a ztunnel upgrade: the old one is slow to ack) gets the pod in its
+// snapshot, so it serves the pod once the old one exits.
+func TestZtunnelConnectingDuringAnAddGetsThePodInItsSnapshot(t *testing.T) {
+	f := newFixture(t)
+	old, stopOld := f.standin(ztunnel.Config{AckDelay: 2 * time.Second})
+	pod, sb := f.pod("mesh", "in-flight", nil), f.sandbox()
+	type result struct {
+		out cnievent.Outcome
+		err error
+	}
+	res := make(chan result, 1)
+	go func() { out, err := f.add(pod, sb, "c1"); res <- result{out, err} }()
+	testkit.Eventually(t, waitFor, "the Add at the old ztunnel", func() bool { _, ok := inZtunnel(old, pod); return ok })
+
+	upgraded, _ := f.standin(ztunnel.Config{})
+	if id, ok := inZtunnel(upgraded, pod); !ok || id != identity(t, sb) {
+		t.Fatalf("the ztunnel that connected during the Add has the pod: %v (netns %v); want it with the pod's netns %v", ok, id, identity(t, sb))
+	}
+	if r := <-res; r.out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", r.out, r.err)
+	}
+	stopOld()
+	if _, ok := inZtunnel(upgraded, pod); !ok || !hasRules(t, sb) {
+		t.Fatal("after the old ztunnel left, nobody serves the pod")
+	}
+}
+
+// Invariant 2, the other half: a start that is rolled back takes the pod
+// out of the table again, and a ztunnel that got it in a snapshot meanwhile
+// is told to drop it.
+func TestRolledBackAddLeavesNoTraceInLaterSnapshots(t *testing.T) {
+	f := newFixture(t)
+	var received atomic.Bool
+	f.standin(ztunnel.Config{AckDelay: 2 * time.Second, Reject: func(string) string {
+		received.Store(true)
+		return "no proxy for you"
+	}})
+	pod, sb := f.pod("mesh", "rejected", nil), f.sandbox()
+	res := make(chan cnievent.Outcome, 1)
+	go func() { out, _ := f.add(pod, sb, "c1"); res <- out }()
+	testkit.Eventually(t, waitFor, "the Add at the old ztunnel", received.Load)
+	meanwhile, _ := f.standin(ztunnel.Config{})
+	if _, ok := inZtunnel(meanwhile, pod); !ok {
+		t.Fatal("the snapshot sent during the Add lacks the pod")
+	}
+	if out := <-res; out != cnievent.Failed {
+		t.Fatalf("ADD rejected by ztunnel = %q, want failed", out)
+	}
+	if f.p.IsEnrolled(pod.UID) || hasRules(t, sb) {
+		t.Fatal("a rolled-back start left a table entry or rules")
+	}
+	testkit.Eventually(t, waitFor, "the rolled-back pod withdrawn from the ztunnel that got it in its snapshot", func() bool {
+		_, ok := inZtunnel(meanwhile, pod)
+		return !ok
+	})
+	later, _ := f.standin(ztunnel.Config{})
+	if _, ok := inZtunnel(later, pod); ok {
+		t.Fatal("a later snapshot names the rolled-back pod")
+	}
+}
+
+// Every rollback branch of a sandbox's start: what it wrote is taken out
+// again (rules, table entry, probe exemption), what was there before stays,
+// and a failure event names the reason.
+func TestFailedStartRollsBackEachStep(t *testing.T) {
+	f := newFixture(t)
+
+	// No ztunnel connected: the rules written are removed.
+	pod, sb := f.pod("mesh", "no-ztunnel", nil), f.sandbox()
+	if out, _ := f.add(pod, sb, "c1"); out != cnievent.Failed {
+		t.Fatalf("ADD without ztunnel = %q", out)
+	}
+	if hasRules(t, sb) || f.p.IsEnrolled(pod.UID) {
+		t.Fatal("a start without ztunnel left rules or a table entry")
+	}
+
+	var rejecting atomic.Bool
+	z, _ := f.standin(ztunnel.Config{Reject: func(string) string {
+		if rejecting.Load() {
+			return "injected: proxy start failed"
+		}
+		return ""
+	}})
+
+	// The netns is gone before the ADD reaches the agent.
+	gone := f.pod("mesh", "gone", nil)
+	if out, _ := f.p.Add(context.Background(), &cnievent.Request{Command: cnievent.Add, PodNamespace: "mesh", PodName: "gone",
+		PodUID: string(gone.UID), ContainerID: "c2", Netns: "/var/run/netns/inpodtest-does-not-exist"}); out != cnievent.Failed {
+		t.Fatalf("ADD with a missing netns = %q", out)
+	}
+
+	// The probe exemption fails after the rules were written.
+	noProbe, noProbeSB := f.pod("mesh", "no-probe", nil), f.sandbox()
+	f.probes.failAdd.Store(true)
+	if out, _ := f.add(noProbe, noProbeSB, "c3"); out != cnievent.Failed {
+		t.Fatalf("ADD with the probe exemption failing = %q", out)
+	}
+	f.probes.failAdd.Store(false)
+	if hasRules(t, noProbeSB) || f.p.IsEnrolled(noProbe.UID) {
+		t.Fatal("a start whose probe exemption failed left rules or a table entry")
+	}
+	if _, ok := inZtunnel(z, noProbe); ok {
+		t.Fatal("ztunnel got a pod whose start had already failed")
+	}
+
+	// A recreated sandbox whose start fails: the pod stays enrolled with
+	// the sandbox it had, in the table and in ztunnel; the new sandbox
+	// keeps no rules.
+	live, liveSB := f.pod("mesh", "recreated", nil), f.sandbox()
+	if out, err := f.add(live, liveSB, "c4"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	next := f.sandbox()
+	rejecting.Store(true)
+	if out, _ := f.add(live, next, "c5"); out != cnievent.Failed {
+		t.Fatalf("ADD of the recreated sandbox, rejected by ztunnel = %q", out)
+	}
+	if hasRules(t, next) || !hasRules(t, liveSB) {
+		t.Fatalf("rules after the failed re-enrollment: new sandbox %v (want none), old %v (want kept)", hasRules(t, next), hasRules(t, liveSB))
+	}
+	// The same sandbox's ADD retried and failing: its rules stay (they
+	// belong to the enrollment that succeeded), and so does the pod.
+	if out, _ := f.add(live, liveSB, "c4"); out != cnievent.Failed {
+		t.Fatalf("retried ADD rejected by ztunnel = %q", out)
+	}
+	rejecting.Store(false)
+	if !hasRules(t, liveSB) || !f.p.IsEnrolled(live.UID) {
+		t.Fatal("a failed retry of the enrolled sandbox's ADD undid its enrollment")
+	}
+	later, _ := f.standin(ztunnel.Config{})
+	if id, ok := inZtunnel(later, live); !ok || id != identity(t, liveSB) {
+		t.Fatalf("a later snapshot has the pod %v with netns %v; want the enrolled sandbox's %v", ok, id, identity(t, liveSB))
+	}
+	want := []string{"ZtunnelNotConnected", "NetnsUnavailable", "ProbeExemptionFailed", "ZtunnelRejected", "ZtunnelRejected"}
+	if got := f.rec.reasons(); !slices.Equal(got, want) {
+		t.Fatalf("events %v, want %v", got, want)
+	}
+}
+
+// probes fails Add on demand (fault injection) and otherwise uses the real
+// set.
+type probes struct {
+	*redirect.HostProbes
+	failAdd atomic.Bool
+}
+
+func (p *probes) Add(ip netip.Addr) error {
+	if p.failAdd.Load() {
+		return errors.New("injected: probe set unavailable")
+	}
+	return p.HostProbes.Add(ip)
+}
+
+// Invariant 6: a DEL acts only on the sandbox it names. A DEL for another
+// container ID (an older sandbox's, retried by the runtime after the netns
+// is gone) leaves the live sandbox enrolled, whatever its netns path says.
+func TestStaleDELLeavesTheLiveSandboxEnrolled(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	pod, sb := f.pod("mesh", "a", nil), f.sandbox()
+	if out, err := f.add(pod, sb, "sandbox-2"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	for _, netnsPath := range []string{"", "/var/run/netns/inpodtest-gone-long-ago"} {
+		req := request(cnievent.Del, pod, sandbox{}, "sandbox-1")
+		req.Netns = netnsPath
+		if out, err := f.p.Del(context.Background(), req); out != cnievent.NotEnrolled || err != nil {
+			t.Fatalf("stale DEL (netns %q) = %q, %v; want not-enrolled", netnsPath, out, err)
+		}
+		if !hasRules(t, sb) || !f.p.IsEnrolled(pod.UID) {
+			t.Fatalf("a stale DEL with netns %q took the live sandbox out of the mesh", netnsPath)
+		}
+		if _, ok := inZtunnel(z, pod); !ok {
+			t.Fatalf("a stale DEL with netns %q made ztunnel drop the live sandbox", netnsPath)
+		}
+	}
+	// The live sandbox's own DEL acts, even with its netns already gone.
+	if out, err := f.p.Del(context.Background(), request(cnievent.Del, pod, sandbox{}, "sandbox-2")); out != cnievent.Redirected {
+		t.Fatalf("DEL of the enrolled sandbox = %q, %v", out, err)
+	}
+	if hasRules(t, sb) || f.p.IsEnrolled(pod.UID) {
+		t.Fatal("the enrolled sandbox's DEL left it enrolled")
+	}
+	testkit.Eventually(t, waitFor, "ztunnel told", func() bool { _, ok := inZtunnel(z, pod); return !ok })
+}
+
+// A pod enrolled through procfs has no known container ID: a DEL acts only
+// when its netns path is the held netns; a CHECK whose netns is the held one
+// teaches the container ID.
+func TestDELOfAPodEnrolledThroughProcfsNeedsItsNetns(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	pod, sb := f.pod("mesh", "restored", nil), f.sandbox()
+	runInPod(t, sb, pod.UID)
+	if err := f.p.Reconcile(context.Background(), f.running(pod, sb)); err != nil {
+		t.Fatal(err)
+	}
+	if !f.p.IsEnrolled(pod.UID) || !hasRules(t, sb) {
+		t.Fatal("the running pod was not enrolled through procfs")
+	}
+	if out, _ := f.p.Del(context.Background(), request(cnievent.Del, pod, sandbox{}, "whatever")); out != cnievent.NotEnrolled || !f.p.IsEnrolled(pod.UID) {
+		t.Fatalf("a DEL without a netns for a pod of unknown container ID = %q; want it ignored", out)
+	}
+	if out, err := f.p.Check(context.Background(), request(cnievent.Check, pod, sb, "sandbox-9")); out != cnievent.Redirected {
+		t.Fatalf("CHECK = %q, %v", out, err)
+	}
+	if out, _ := f.p.Del(context.Background(), request(cnievent.Del, pod, sb, "sandbox-8")); out != cnievent.NotEnrolled || !f.p.IsEnrolled(pod.UID) {
+		t.Fatalf("a DEL for another container ID after the CHECK taught sandbox-9 = %q; want it ignored", out)
+	}
+	if out, _ := f.p.Del(context.Background(), request(cnievent.Del, pod, sandbox{}, "sandbox-9")); out != cnievent.Redirected || f.p.IsEnrolled(pod.UID) {
+		t.Fatalf("the DEL of the learnt container ID = %q; want the pod removed", out)
+	}
+}
+
+// Invariant 6: a sandbox recreated while inpod was missing from the CNI
+// chain (no ADD reached the agent) is found by reconcile and redirected:
+// rules in the new netns, ztunnel moved to it, an event on the pod. The old
+// sandbox's DEL, arriving later, does not undo it.
+func TestReconcileRedirectsASandboxRecreatedWithoutItsADD(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	pod, first := f.pod("mesh", "recreated", nil), f.sandbox()
+	if out, err := f.add(pod, first, "sandbox-1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	// The new sandbox has the same IP (the IPAM gave it back), and the
+	// pod's processes live there now; the kubelet's status did not change.
+	second := sandbox{netnstest.New(t), first.ip}
+	second.Exec(t, "ip", "addr", "add", first.ip.String()+"/32", "dev", "lo")
+	runInPod(t, second, pod.UID)
+
+	if err := f.p.Reconcile(context.Background(), f.running(pod, first)); err != nil {
+		t.Fatal(err)
+	}
+	if !hasRules(t, second) {
+		t.Fatal("the recreated sandbox runs unredirected after reconcile")
+	}
+	if id, ok := inZtunnel(z, pod); !ok || id != identity(t, second) {
+		t.Fatalf("ztunnel runs the pod in netns %v (%v); want the new sandbox's %v", id, ok, identity(t, second))
+	}
+	if got := f.rec.reasons(); !slices.Contains(got, "SandboxChanged") {
+		t.Fatalf("events %v, want a SandboxChanged warning", got)
+	}
+	later, _ := f.standin(ztunnel.Config{})
+	if id, _ := inZtunnel(later, pod); id != identity(t, second) {
+		t.Fatalf("a later snapshot sends netns %v; want the new sandbox's %v", id, identity(t, second))
+	}
+	// The old sandbox's DEL, its netns gone.
+	if out, _ := f.p.Del(context.Background(), request(cnievent.Del, pod, sandbox{}, "sandbox-1")); out != cnievent.NotEnrolled || !hasRules(t, second) {
+		t.Fatalf("the old sandbox's DEL = %q and took the new sandbox's rules: %v", out, !hasRules(t, second))
+	}
+	// Reconciling again changes nothing.
+	before := second.Exec(t, "nft", "-a", "list", "ruleset")
+	if err := f.p.Reconcile(context.Background(), f.running(pod, first)); err != nil {
+		t.Fatal(err)
+	}
+	if after := second.Exec(t, "nft", "-a", "list", "ruleset"); after != before {
+		t.Fatal("a second reconcile rewrote the rules")
+	}
+}
+
+// runInPod starts a process inside sb, in a cgroup named as the kubelet
+// names a pod's (cgroupfs driver), so procfs finds it; both go at cleanup.
+func runInPod(t *testing.T, sb sandbox, uid types.UID) {
+	t.Helper()
+	dir := filepath.Join("/sys/fs/cgroup/pids", "inpod-test-enroll", "pod"+string(uid), strconv.Itoa(int(time.Now().UnixNano())))
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Skipf("needs a writable cgroup v1 pids hierarchy: %v", err)
+	}
+	cmd := exec.Command("ip", "netns", "exec", sb.Name, "sleep", "300")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+		os.Remove(dir)
+		os.Remove(filepath.Dir(dir))
+		os.Remove(filepath.Dir(filepath.Dir(dir)))
+	})
+	if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(cmd.Process.Pid)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	want := identity(t, sb)
+	testkit.Eventually(t, waitFor, "the process inside the sandbox", func() bool {
+		id, err := netns.IdentityOfPath(fmt.Sprintf("/proc/%d/ns/net", cmd.Process.Pid))
+		return err == nil && id == want
+	})
+}
