@@ -25,45 +25,45 @@ import (
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
-// cache plays the agent's informer cache (and its one API read).
-type cache struct {
+// mirrorCache plays the agent's informer mirrorCache (and its one API read).
+type mirrorCache struct {
 	pods map[string]*corev1.Pod
 	nss  map[string]*corev1.Namespace
 }
 
-func (c *cache) Pod(_ context.Context, namespace, name string) (*corev1.Pod, error) {
+func (c *mirrorCache) Pod(_ context.Context, namespace, name string) (*corev1.Pod, error) {
 	if p, ok := c.pods[namespace+"/"+name]; ok {
 		return p, nil
 	}
 	return nil, apierrors.NewNotFound(schema.GroupResource{Resource: "pods"}, name)
 }
 
-func (c *cache) Namespace(name string) (*corev1.Namespace, error) {
+func (c *mirrorCache) Namespace(_ context.Context, name string) (*corev1.Namespace, error) {
 	if ns, ok := c.nss[name]; ok {
 		return ns, nil
 	}
 	return nil, apierrors.NewNotFound(schema.GroupResource{Resource: "namespaces"}, name)
 }
 
-type recorder struct {
+type mirrorRecorder struct {
 	mu     sync.Mutex
 	events []string
 }
 
-func (r *recorder) Set(types.NamespacedName, string) {}
-func (r *recorder) Warn(_ *corev1.Pod, reason, _ string) {
+func (r *mirrorRecorder) Set(types.NamespacedName, string) {}
+func (r *mirrorRecorder) Warn(_ *corev1.Pod, reason, _ string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.events = append(r.events, reason)
 }
-func (r *recorder) Enrolled(string, time.Duration) {}
-func (r *recorder) Failed(string)                  {}
-func (r *recorder) Removed()                       {}
+func (r *mirrorRecorder) Enrolled(string, time.Duration) {}
+func (r *mirrorRecorder) Failed(string)                  {}
+func (r *mirrorRecorder) Removed()                       {}
 
-type ztunnelRef struct{ s *zds.Server }
+type mirrorZtunnel struct{ s *zds.Server }
 
-func (z *ztunnelRef) Add(ctx context.Context, w zds.Workload) error { return z.s.Add(ctx, w) }
-func (z *ztunnelRef) Del(ctx context.Context, uid string) error     { return z.s.Del(ctx, uid) }
+func (z *mirrorZtunnel) Add(ctx context.Context, w zds.Workload) error { return z.s.Add(ctx, w) }
+func (z *mirrorZtunnel) Del(ctx context.Context, uid string) error     { return z.s.Del(ctx, uid) }
 
 // mirror is the mirror pod the kubelet creates in the API for a static pod
 // whose UID (its manifest's hash) is hash.
@@ -88,7 +88,7 @@ func TestStaticPodsAreDecidedByTheirMirrorPod(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { probes.Uninstall() })
-	c := &cache{
+	c := &mirrorCache{
 		pods: map[string]*corev1.Pod{
 			"plain/web-node1": mirror("plain", "web-node1", "0b5e1c2a-1111-4c3d-9e8f-000000000001", "6f1c0ffee6f1c0ffee6f1c0ffee00001"),
 			"mesh/web-node1":  mirror("mesh", "web-node1", "0b5e1c2a-2222-4c3d-9e8f-000000000002", "6f1c0ffee6f1c0ffee6f1c0ffee00002"),
@@ -98,8 +98,8 @@ func TestStaticPodsAreDecidedByTheirMirrorPod(t *testing.T) {
 			"mesh":  {ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}},
 		},
 	}
-	rec := &recorder{}
-	zt := &ztunnelRef{}
+	rec := &mirrorRecorder{}
+	zt := &mirrorZtunnel{}
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	p := enroll.New(enroll.Config{
 		Policy: enroll.Policy{ExcludedNamespaces: []string{"kube-system"}},
@@ -139,6 +139,20 @@ func TestStaticPodsAreDecidedByTheirMirrorPod(t *testing.T) {
 	// ztunnel knows the pod by its API UID, as Istio's node agent sends it.
 	if _, ok := standin.Workloads()["0b5e1c2a-2222-4c3d-9e8f-000000000002"]; !ok {
 		t.Errorf("ztunnel was not handed the static pod under its mirror's UID: %v", standin.Workloads())
+	}
+	// Its CHECK and DEL carry the static pod's UID too (the hash): they
+	// must find the pod, or a deleted static pod would keep its rules and
+	// ztunnel its proxy until the pod watch noticed.
+	meshDel := &cnievent.Request{Command: cnievent.Del, PodNamespace: "mesh", PodName: "web-node1",
+		PodUID: "6f1c0ffee6f1c0ffee6f1c0ffee00002", ContainerID: "c-mesh"}
+	if out, err := p.Del(ctx, meshDel); out != cnievent.Redirected || err != nil {
+		t.Errorf("DEL of the static pod's sandbox: %s, %v; want redirected (unenrolled)", out, err)
+	}
+	if p.IsEnrolled("0b5e1c2a-2222-4c3d-9e8f-000000000002") {
+		t.Error("the static pod is still enrolled after its sandbox's DEL")
+	}
+	if out, err := add("mesh", "6f1c0ffee6f1c0ffee6f1c0ffee00002"); out != cnievent.Redirected || err != nil {
+		t.Fatalf("static pod in an enrolled namespace, again: %s, %v; want redirected", out, err)
 	}
 	// The manifest changed and the kubelet has not replaced the mirror
 	// yet: its labels may be the old manifest's.

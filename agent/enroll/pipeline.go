@@ -109,8 +109,11 @@ type entry struct {
 	// containerID is the sandbox's, from its CNI ADD; "" when unknown
 	// (enrolled through procfs).
 	containerID string
-	ips         []netip.Addr
-	info        zds.Workload
+	// sandboxUID is the UID the runtime names the pod by (a static pod's
+	// differs from its mirror's API UID), so its DEL and CHECK find it.
+	sandboxUID string
+	ips        []netip.Addr
+	info       zds.Workload
 }
 
 // New returns an empty pipeline.
@@ -284,7 +287,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 		}
 	}
 	info := zds.Workload{UID: string(pod.UID), Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName, NetNS: sb.netns}
-	p.setEntry(pod.UID, &entry{pod: key, netns: sb.netns, id: id, containerID: sb.containerID, ips: sb.ips, info: info})
+	p.setEntry(pod.UID, &entry{pod: key, netns: sb.netns, id: id, containerID: sb.containerID, sandboxUID: SandboxUID(pod), ips: sb.ips, info: info})
 	published = true
 	if err := p.cfg.Ztunnel.Add(ctx, info); err != nil {
 		reason := "ZtunnelRejected"
@@ -443,11 +446,23 @@ func (p *Pipeline) Check(ctx context.Context, req *cnievent.Request) (cnievent.O
 // lookup finds the enrolled pod a CNI request names: by the runtime's pod
 // UID when it sent one, else by name.
 func (p *Pipeline) lookup(req *cnievent.Request) (types.UID, bool) {
-	if req.PodUID != "" {
-		uid := types.UID(req.PodUID)
-		return uid, p.IsEnrolled(uid)
+	if req.PodUID == "" {
+		return p.UIDOf(types.NamespacedName{Namespace: req.PodNamespace, Name: req.PodName})
 	}
-	return p.UIDOf(types.NamespacedName{Namespace: req.PodNamespace, Name: req.PodName})
+	uid := types.UID(req.PodUID)
+	if p.IsEnrolled(uid) {
+		return uid, true
+	}
+	// A static pod: the runtime names it by its sandbox UID, the table by
+	// its mirror's API UID.
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for uid, e := range p.enrolled {
+		if e.sandboxUID == req.PodUID && e.pod.Namespace == req.PodNamespace && e.pod.Name == req.PodName {
+			return uid, true
+		}
+	}
+	return "", false
 }
 
 // Unenroll removes a pod from the mesh: rules out of its netns (still open
@@ -464,6 +479,12 @@ func (p *Pipeline) Unenroll(ctx context.Context, uid types.UID) error {
 
 // unenroll is Unenroll with the pod's lock held.
 func (p *Pipeline) unenroll(ctx context.Context, uid types.UID, e *entry) error {
+	// Out of the table before the Del goes out, the mirror of an Add: a
+	// ztunnel that connects in between must not get the pod in its snapshot
+	// and then miss the Del, keeping a proxy for a pod that left the mesh.
+	// On failure the pod goes back, so a retry and every later snapshot
+	// still see it.
+	p.setEntry(uid, nil)
 	var errs []error
 	if _, err := p.cfg.Rules.Remove(e.netns); err != nil {
 		errs = append(errs, fmt.Errorf("remove rules: %w", err))
@@ -477,9 +498,9 @@ func (p *Pipeline) unenroll(ctx context.Context, uid types.UID, e *entry) error 
 		}
 	}
 	if err := errors.Join(errs...); err != nil {
+		p.setEntry(uid, e)
 		return err
 	}
-	p.setEntry(uid, nil)
 	e.netns.Close()
 	p.cfg.Annotations.Set(e.pod, "")
 	p.cfg.Observer.Removed()

@@ -2,6 +2,7 @@ package enroll_test
 
 import (
 	"context"
+	"errors"
 	"net/netip"
 	"os"
 	"testing"
@@ -101,7 +102,7 @@ func (snapshotPods) Pod(_ context.Context, namespace, name string) (*corev1.Pod,
 		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient},
 	}}, nil
 }
-func (snapshotPods) Namespace(name string) (*corev1.Namespace, error) {
+func (snapshotPods) Namespace(_ context.Context, name string) (*corev1.Namespace, error) {
 	return &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, nil
 }
 
@@ -117,3 +118,66 @@ type snapshotZtunnel struct{ srv **zds.Server }
 
 func (z snapshotZtunnel) Add(ctx context.Context, w zds.Workload) error { return (*z.srv).Add(ctx, w) }
 func (z snapshotZtunnel) Del(ctx context.Context, uid string) error     { return (*z.srv).Del(ctx, uid) }
+
+// A ztunnel that connects while a pod is being removed gets a snapshot; if
+// the pod were still in it when the Del went out, that ztunnel would keep
+// the pod's proxy after the Del. The pod leaves the table first, and comes
+// back when its removal fails, so a retry still covers it.
+func TestUnenrollTakesThePodOutOfSnapshotsBeforeItsDel(t *testing.T) {
+	ns := netnstest.New(t)
+	var p *enroll.Pipeline
+	zt := &snapshotAtDel{p: &p, fail: true}
+	p = enroll.New(enroll.Config{
+		Rules: snapshotNoRules{}, Probes: snapshotNoProbes{}, Pods: snapshotPods{}, Ztunnel: zt,
+		Annotations: snapshotNop{}, Events: snapshotNop{}, Observer: snapshotNop{},
+	})
+	t.Cleanup(p.Close)
+	ctx := context.Background()
+	req := &cnievent.Request{Command: cnievent.Add, PodNamespace: "default", PodName: "pod-uid-z", PodUID: "uid-z", Netns: ns.Path}
+	if out, err := p.Add(ctx, req); out != cnievent.Redirected || err != nil {
+		t.Fatalf("Add = %s, %v", out, err)
+	}
+	if err := p.Unenroll(ctx, "uid-z"); err == nil {
+		t.Fatal("Unenroll succeeded although ztunnel's Del failed")
+	}
+	if zt.inSnapshotAtDel {
+		t.Error("a snapshot taken while the Del was going out still named the pod")
+	}
+	if !p.IsEnrolled("uid-z") {
+		t.Fatal("a pod whose removal failed left the table: a retry would not find it")
+	}
+	zt.fail = false
+	if err := p.Unenroll(ctx, "uid-z"); err != nil {
+		t.Fatal(err)
+	}
+	if zt.inSnapshotAtDel || p.IsEnrolled("uid-z") {
+		t.Errorf("after a successful removal: in the snapshot at Del %v, enrolled %v; want neither", zt.inSnapshotAtDel, p.IsEnrolled("uid-z"))
+	}
+}
+
+// snapshotAtDel takes a snapshot at the moment a Del goes out, as a ztunnel
+// connecting then would get it.
+type snapshotAtDel struct {
+	p               **enroll.Pipeline
+	fail            bool
+	inSnapshotAtDel bool
+}
+
+func (z *snapshotAtDel) Add(context.Context, zds.Workload) error { return nil }
+func (z *snapshotAtDel) Del(ctx context.Context, uid string) error {
+	ws, err := (*z.p).Snapshot(ctx)
+	if err != nil {
+		return err
+	}
+	z.inSnapshotAtDel = false
+	for _, w := range ws {
+		if w.UID == uid {
+			z.inSnapshotAtDel = true
+		}
+		w.NetNS.Close()
+	}
+	if z.fail {
+		return errors.New("injected: the connection broke")
+	}
+	return nil
+}
