@@ -168,6 +168,41 @@ func (w *world) runAgent() (stop func() error) {
 	return stop
 }
 
+// A component failing at runtime ends Run with its error, promptly, having
+// stopped everything else: the process exits non-zero and the kubelet
+// restarts it, instead of an agent lingering half-alive behind a green
+// /healthz (invariant 7). Here the device-plugin directory vanishes, so the
+// gate cannot serve its socket again.
+func TestIntegrationAComponentFailingAtRuntimeEndsRun(t *testing.T) {
+	w := newWorld(t)
+	cfg := w.cfg
+	cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, nil))
+	a, err := agent.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+	// A hung Run stops once cancelled: the test then fails instead of
+	// hanging.
+	t.Cleanup(func() { cancel(); <-done })
+	w.eventually("the agent ready", func() bool { return a.Ready.State().Ready })
+
+	if err := os.RemoveAll(w.cfg.DevicePlugin.PluginDir); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		done <- err // for the cleanup
+		if err == nil || !strings.Contains(err.Error(), "deviceplugin") {
+			t.Fatalf("Run returned %v, want the device plugin's failure", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Run did not return within 5 s of the device plugin failing: the agent hangs half-alive")
+	}
+}
+
 // startStandin connects a fresh ztunnel stand-in; the returned func stops it.
 func (w *world) startStandin() func() {
 	w.standin = ztunnel.New(ztunnel.Config{SocketPath: w.cfg.ZDSSocket, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
