@@ -30,11 +30,11 @@ import (
 	"github.com/inpod-dev/inpod/agent/enroll"
 	"github.com/inpod-dev/inpod/agent/observe"
 	"github.com/inpod-dev/inpod/agent/podnetns"
-	"github.com/inpod-dev/inpod/agent/readiness"
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/passlist"
+	"github.com/inpod-dev/inpod/readiness"
 	"github.com/inpod-dev/inpod/zds"
 )
 

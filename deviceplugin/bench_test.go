@@ -11,9 +11,9 @@ import (
 	"time"
 
 	"github.com/inpod-dev/inpod/agent/cniinstall"
-	"github.com/inpod-dev/inpod/agent/readiness"
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/deviceplugin/kubelettest"
+	"github.com/inpod-dev/inpod/readiness"
 	"github.com/inpod-dev/inpod/zds"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )

@@ -31,7 +31,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
-	"github.com/inpod-dev/inpod/agent/readiness"
+	"github.com/inpod-dev/inpod/readiness"
 )
 
 // Defaults of the design.

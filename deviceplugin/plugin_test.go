@@ -8,9 +8,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/inpod-dev/inpod/agent/readiness"
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/deviceplugin/kubelettest"
+	"github.com/inpod-dev/inpod/readiness"
 )
 
 const res = deviceplugin.DefaultResourceName
