@@ -242,8 +242,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 
 	p.pipeline = enroll.New(enroll.Config{
 		Policy:      policy,
-		Options:     redirect.Options{DNSCapture: cfg.DNSCapture},
-		Rules:       engine,
+		Rules:       podRules{engine, redirect.Options{DNSCapture: cfg.DNSCapture}},
 		Probes:      p.probes,
 		Ztunnel:     ztunnelRef{&p.zds},
 		Pods:        p.pods,
@@ -512,6 +511,18 @@ func (a *Agent) refreshPassList(l *passlist.List, key types.NamespacedName) {
 		// only if this was a removal; say so loudly.
 		a.log.Error("could not update the pass list", "pod", key, "err", err)
 	}
+}
+
+// podRules applies the agent's options on every Apply, so the pipeline
+// needs nothing of package redirect.
+type podRules struct {
+	*redirect.Engine
+	opts redirect.Options
+}
+
+func (r podRules) Apply(ns *os.File) (changed bool, err error) {
+	res, err := r.Engine.Apply(ns, r.opts)
+	return res.Changed, err
 }
 
 // ztunnelRef lets the pipeline be built before the ZDS server, which needs
