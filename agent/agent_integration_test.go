@@ -34,6 +34,7 @@ import (
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/deviceplugin/kubelettest"
 	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/passlist"
@@ -225,13 +226,7 @@ func (w testWriter) Write(p []byte) (int, error) {
 
 func (w *world) eventually(what string, cond func() bool) {
 	w.t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			w.t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	testkit.Eventually(w.t, 20*time.Second, what, cond)
 }
 
 // pod creates a pod object bound to the node and a netns for its sandbox.
