@@ -190,6 +190,7 @@ func TestIntegrationAComponentFailingAtRuntimeEndsRun(t *testing.T) {
 	t.Cleanup(func() { cancel(); <-done })
 	w.eventually("the agent ready", func() bool { return a.Ready.State().Ready })
 
+	failed := time.Now()
 	if err := os.RemoveAll(w.cfg.DevicePlugin.PluginDir); err != nil {
 		t.Fatal(err)
 	}
@@ -199,6 +200,7 @@ func TestIntegrationAComponentFailingAtRuntimeEndsRun(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "deviceplugin") {
 			t.Fatalf("Run returned %v, want the device plugin's failure", err)
 		}
+		t.Logf("Run returned %s after the failure: %v", time.Since(failed).Round(time.Millisecond), err)
 	case <-time.After(5 * time.Second):
 		t.Fatal("Run did not return within 5 s of the device plugin failing: the agent hangs half-alive")
 	}
