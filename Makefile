@@ -9,46 +9,57 @@ export PATH := $(BIN):$(PATH)
 # The protoc release whose output is committed in zds/zdspb (Debian 12's).
 PROTOC_VERSION := 3.21.12
 
-.PHONY: all deps build generate check-generated lint test test-unit test-integration test-e2e \
+.PHONY: all help deps build generate check-generated lint test test-unit test-integration test-e2e \
 	bench k8s-bins cluster-up cluster-down clean
 
 all: build
 
-deps:
+help: ## list the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z][a-z0-9-]*:.*## / {printf "  %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+deps: ## install the tools the build and tests need (staticcheck, protoc-gen-go, ...) into ./bin
 	@hack/install-deps.sh
 
 # Stripped: inpod-cni is copied to every node and exec'ed once per pod.
-build:
+build: ## the binaries, into ./bin
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/ ./cmd/...
 
-generate: deps
+generate: deps ## regenerate zds/zdspb from zds.proto
 	@protoc --version | grep -q ' $(PROTOC_VERSION)$$' || \
 	  { echo "protoc $(PROTOC_VERSION) is required for byte-identical output; have: $$(protoc --version)" >&2; exit 1; }
 	cd zds/zdspb && protoc --go_out=. --go_opt=paths=source_relative zds.proto
 
 # Fails when the committed generated code differs from what `make generate`
 # writes.
-check-generated: generate
+check-generated: generate ## fail when the committed generated code is stale
 	@git diff --exit-code -- zds/zdspb || \
 	  { echo "zds/zdspb is out of date: run 'make generate' and commit" >&2; exit 1; }
 
-lint: deps
+lint: deps ## gofmt, go vet, staticcheck
 	@fmt=$$(git ls-files -co --exclude-standard '*.go' | xargs -r gofmt -l); \
 	  if [ -n "$$fmt" ]; then echo "gofmt would change:"; echo "$$fmt"; exit 1; fi
 	$(GO) vet ./...
 	staticcheck ./...
 
-# Every tier. The unit tier needs root: it creates network namespaces and
-# real netfilter rules (each test cleans up after itself). Integration tests
+# Every tier, fastest first, so a failure shows in minutes: lint and
+# check-generated, then unit, then integration, then e2e; each step is its
+# own make run, so the order holds under make -j too. The unit tier needs
+# root: it creates network namespaces and real netfilter rules (each test
+# cleans up after itself). Integration tests
 # (TestIntegration*, build tag integration) run against a real etcd and
 # kube-apiserver; end-to-end tests (TestE2E*, tag e2e) against a real
 # single node. Both run one package at a time: each start picks free ports,
 # and a parallel package could take one between the pick and the bind; the
 # e2e packages also share the host's fixed kubelet paths.
 # Both get their binaries from k8s-bins (cold: ~17 min).
-test: deps lint check-generated test-integration test-e2e test-unit
+test: ## every tier, fastest first: lint, check-generated, unit, integration, e2e
+	@$(MAKE) --no-print-directory lint
+	@$(MAKE) --no-print-directory check-generated
+	@$(MAKE) --no-print-directory test-unit
+	@$(MAKE) --no-print-directory test-integration
+	@$(MAKE) --no-print-directory test-e2e
 
-test-unit: deps
+test-unit: deps ## unit tier (root: real netns and netfilter), minutes
 	INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh) $(GO) test -race -count=1 ./...
 
 # Binaries for the Kubernetes tiers, built once and cached by version.
@@ -56,15 +67,15 @@ K8S_ENV = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh) INPOD_TEST_CNI_PLUGINS=$$(hack/
 
 tagged_pkgs = $(shell grep -rl --include='*_test.go' '^//go:build $(1)' . | xargs -r -n1 dirname | sort -u)
 
-test-integration: deps
+test-integration: deps ## TestIntegration* against a real etcd + kube-apiserver
 	$(K8S_ENV) $(GO) test -p 1 -race -count=1 -tags integration -run '^TestIntegration' $(call tagged_pkgs,integration)
 
-test-e2e: deps
+test-e2e: deps ## TestE2E* on a real single node (kubelet, containerd)
 	$(K8S_ENV) $(GO) test -p 1 -count=1 -timeout 30m -tags e2e -run '^TestE2E' $(call tagged_pkgs,e2e)
 
 # Benchmarks print medians, p99s and ratios against baselines measured in
 # the same run.
-bench: deps
+bench: deps ## benchmarks with medians, p99s and baselines
 	$(GO) test -run '^$$' -bench . -benchtime 2000x ./zds/
 	$(GO) test -run '^$$' -bench . -benchtime 200x ./agent/redirect/
 	INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh) $(GO) test -run '^$$' -bench . -benchtime 100x ./plugin/
@@ -73,18 +84,18 @@ bench: deps
 
 # Pinned Kubernetes and etcd binaries for the test node, cached outside the
 # repo (INPOD_CACHE_DIR, default /var/cache/inpod): ~17 min cold, seconds warm.
-k8s-bins:
+k8s-bins: ## build and cache the pinned Kubernetes, etcd and CNI binaries (~17 min cold)
 	@hack/k8s-bins.sh
 	@hack/cni-bins.sh
 
 # A real single-node Kubernetes for a person: prints the kubeconfig path.
-cluster-up: deps
+cluster-up: deps ## a real single-node Kubernetes for a person; prints its kubeconfig
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
 	$(K8S_ENV) $(BIN)/localnode up --repo $(CURDIR)
 
-cluster-down:
+cluster-down: ## stop what cluster-up started
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
 	$(BIN)/localnode down
 
-clean:
+clean: ## remove ./bin
 	rm -rf $(BIN)

@@ -1,8 +1,11 @@
-// Package agent wires the node agent together: it builds each piece from
+// Package agent wires the node agent together: New builds the API client
+// and the scheduling gates (gate.go), Run builds each other piece from
 // Config (redirection engine, host probe rules, pod informers, enrollment
-// pipeline, CNI event server, CNI installer, ZDS server, readiness, metrics)
-// and runs them. The logic lives in the sub-packages; this package only
-// connects them.
+// pipeline, CNI event server, CNI installer, ZDS server; see pieces),
+// starts them in one errgroup so one failure stops them all, and at
+// shutdown either leaves the node as it is (restart, upgrade) or removes
+// inpod (removal.go). The logic lives in the sub-packages; this package
+// only connects them.
 package agent
 
 import (
@@ -10,15 +13,17 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"time"
 
+	"golang.org/x/sync/errgroup"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
@@ -30,11 +35,11 @@ import (
 	"github.com/inpod-dev/inpod/agent/enroll"
 	"github.com/inpod-dev/inpod/agent/observe"
 	"github.com/inpod-dev/inpod/agent/podnetns"
-	"github.com/inpod-dev/inpod/agent/readiness"
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/passlist"
+	"github.com/inpod-dev/inpod/readiness"
 	"github.com/inpod-dev/inpod/zds"
 )
 
@@ -77,29 +82,35 @@ type Config struct {
 	// stays. Empty: never remove anything.
 	DaemonSet string
 
-	// Ready, when set, is used instead of a new aggregate, so the gates can
-	// follow the same signal.
-	Ready *readiness.Aggregate
-
-	// Gate is how scheduling follows readiness: "deviceplugin" (default) or
-	// "none".
+	// Gate is how scheduling follows readiness: a comma list of gates
+	// (see newGates); empty means "deviceplugin", "none" no gate.
 	Gate string
-	// DevicePlugin configures the device-plugin gate; its Ready, Observer
-	// and Logger are filled in by the agent.
+	// DevicePlugin configures the device-plugin gate; its Observer, Logger
+	// and DevicesFrom are filled in by the agent.
 	DevicePlugin deviceplugin.Config
 }
 
 // Agent is a running node agent.
 type Agent struct {
-	cfg      Config
-	log      *slog.Logger
-	Ready    *readiness.Aggregate
-	Metrics  *observe.Metrics
+	cfg     Config
+	log     *slog.Logger
+	Ready   *readiness.Aggregate
+	Metrics *observe.Metrics
+	restCfg *rest.Config
+	client  kubernetes.Interface
+	gates   []Gate
+
+	// Set by Run.
 	pipeline *enroll.Pipeline
 	pods     *podCache
 }
 
-// New validates cfg.
+// stopTimeout bounds how long Run waits for what it started to stop, so a
+// piece that ignores its context can never keep a failed agent alive.
+const stopTimeout = 5 * time.Second
+
+// New validates cfg and builds what needs no node access: the API client
+// and the gates. Nothing runs yet.
 func New(cfg Config) (*Agent, error) {
 	if cfg.NodeName == "" {
 		return nil, errors.New("agent: the node name is required (--node-name, usually from the downward API)")
@@ -117,237 +128,325 @@ func New(cfg Config) (*Agent, error) {
 	if log == nil {
 		log = slog.Default()
 	}
-	ready := cfg.Ready
-	if ready == nil {
-		ready = readiness.New(log, readiness.CNIInstalled, readiness.ZtunnelConnected, readiness.PodsSynced)
+	a := &Agent{cfg: cfg, log: log, Metrics: observe.NewMetrics(),
+		Ready: readiness.New(log, readiness.CNIInstalled, readiness.ZtunnelConnected, readiness.PodsSynced)}
+	a.Ready.OnChange(a.Metrics.Readiness)
+	gates, err := a.newGates(cfg.Gate)
+	if err != nil {
+		return nil, err
 	}
-	a := &Agent{cfg: cfg, log: log, Ready: ready, Metrics: observe.NewMetrics()}
-	ready.OnChange(a.Metrics.Readiness)
+	a.gates = gates
+	if a.restCfg, err = loadRestConfig(cfg.Kubeconfig); err != nil {
+		return nil, err
+	}
+	if a.client, err = kubernetes.NewForConfig(a.restCfg); err != nil {
+		return nil, err
+	}
 	return a, nil
 }
 
-// Run runs the agent until ctx ends. Shutting down for a restart or an
-// upgrade leaves the data path as it is: rules stay in every pod, ztunnel
-// keeps its proxies, the CNI plugin stays installed (enrolled pods fail
-// closed until the agent is back). Shutting down because the agent's
-// DaemonSet is gone removes inpod from the node (see Config.DaemonSet).
+// Run runs the agent until ctx ends or one of its pieces fails; a failure
+// stops everything else and is returned within stopTimeout. Shutting down
+// for a restart or an upgrade leaves the data path as it is: rules stay in
+// every pod, ztunnel keeps its proxies, the CNI plugin stays installed
+// (enrolled pods fail closed until the agent is back). Shutting down
+// because the agent's DaemonSet is gone removes inpod from the node (see
+// Config.DaemonSet).
 func (a *Agent) Run(ctx context.Context) error {
-	cfg := a.cfg
+	// Ends what build started in the background (the event broadcaster)
+	// on every return.
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	// The ZDS server outlives the rest: removing inpod from the node at
-	// shutdown still tells ztunnel about every pod it takes out.
-	zdsCtx, stopZDS := context.WithCancel(context.WithoutCancel(ctx))
-	defer stopZDS()
-	// Closed when each piece that can enroll or touch the CNI config has
-	// stopped, so a removal cannot race with them.
-	cniServed, installerDone, reconcilerDone := make(chan struct{}), make(chan struct{}), make(chan struct{})
-	errc := make(chan error, 8)
-	goRun := func(name string, fn func() error) {
-		wg.Go(func() {
-			if err := fn(); err != nil && ctx.Err() == nil {
-				errc <- fmt.Errorf("%s: %w", name, err)
-			}
-		})
-	}
-
-	restCfg, err := loadRestConfig(cfg.Kubeconfig)
+	p, err := a.build(ctx)
 	if err != nil {
 		return err
 	}
-	client, err := kubernetes.NewForConfig(restCfg)
-	if err != nil {
+	defer p.close()
+	if err := a.start(ctx, p); err != nil {
 		return err
 	}
-
-	hostNS, err := netns.Open(cfg.HostNetNS)
-	if err != nil {
-		return fmt.Errorf("agent: node netns: %w", err)
+	if !a.removedFromCluster(p.client) {
+		a.log.Info("agent stopping; rules, ztunnel's proxies and the CNI plugin stay in place")
+		return nil
 	}
-	defer hostNS.Close()
-	backend, det, err := redirect.NewBackend(cfg.RedirectBackend, hostNS)
+	// start has returned, so the CNI server, the installer and the
+	// reconciler have stopped: nothing races with the removal. The ZDS
+	// server still runs, to tell ztunnel about every pod taken out.
+	return a.removeFromNode(p)
+}
+
+// pieces are what Run builds from Config before starting any of it, and
+// what shutdown takes apart again.
+type pieces struct {
+	client      kubernetes.Interface
+	hostNS      *os.File
+	probes      *redirect.HostProbes
+	annotations *enroll.AnnotationWriter
+	pipeline    *enroll.Pipeline
+	pods        *podCache
+	podInf      informers.SharedInformerFactory
+	nsInf       informers.SharedInformerFactory
+	// queue feeds the reconciler; the informers' handlers fill it.
+	queue    workqueue.TypedRateLimitingInterface[types.NamespacedName]
+	passList *passlist.List
+	cni      *cniserver.Server
+	// installer is nil when Config.InstallCNI is false.
+	installer *cniinstall.Installer
+	access    apiAccess
+	zds       *zds.Server
+	// Where the plugin finds what the agent writes for it.
+	passListPath, apiAccessPath string
+
+	// stopZDS ends the ZDS server, which outlives the other pieces;
+	// zdsDone is closed once it has stopped (nil: never started).
+	stopZDS context.CancelFunc
+	zdsDone chan struct{}
+}
+
+// build makes every piece from Config; nothing is served or watched yet.
+// On error, what it opened is closed again.
+func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
+	cfg := a.cfg
+	p := &pieces{client: a.client,
+		passListPath:  filepath.Join(filepath.Dir(cfg.CNISocket), passListDir),
+		apiAccessPath: filepath.Join(cfg.CNIConfDir, apiAccessFile),
+	}
+	defer func() {
+		if err != nil {
+			p.close()
+		}
+	}()
+	if p.hostNS, err = netns.Open(cfg.HostNetNS); err != nil {
+		return nil, fmt.Errorf("agent: node netns: %w", err)
+	}
+	backend, det, err := redirect.NewBackend(cfg.RedirectBackend, p.hostNS)
 	if err != nil {
-		return fmt.Errorf("agent: redirection backend: %w", err)
+		return nil, fmt.Errorf("agent: redirection backend: %w", err)
 	}
 	a.log.Info("redirection backend chosen", "backend", backend.Name(), "why", det.Reason)
 	engine := redirect.NewEngine(backend, otherBackends(backend.Name())...)
-	probes := redirect.NewHostProbes(hostNS)
-	if err := probes.Ensure(); err != nil {
-		return fmt.Errorf("agent: host probe rules: %w", err)
+	p.probes = redirect.NewHostProbes(p.hostNS)
+	if err := p.probes.Ensure(); err != nil {
+		return nil, fmt.Errorf("agent: host probe rules: %w", err)
 	}
 
-	podInf, nsInf := newInformers(client, cfg.NodeName)
-	pods := &podCache{client: client, pods: podInf.Core().V1().Pods().Lister(),
-		namespaces: nsInf.Core().V1().Namespaces().Lister(), cacheWait: 5 * time.Second}
-	a.pods = pods
-	annotations := enroll.NewAnnotationWriter(client, a.log)
-	goRun("annotations", func() error { annotations.Run(ctx); return nil })
-
+	p.podInf, p.nsInf = newInformers(p.client, cfg.NodeName)
+	p.pods = &podCache{client: p.client, pods: p.podInf.Core().V1().Pods().Lister(),
+		namespaces: p.nsInf.Core().V1().Namespaces().Lister(), cacheWait: 5 * time.Second}
+	a.pods = p.pods
+	p.annotations = enroll.NewAnnotationWriter(p.client, a.log)
 	policy := enroll.Policy{ExcludedNamespaces: cfg.ExcludedNamespaces, Label: cfg.EnrollmentLabel}
-	// Where the plugin finds what the agent writes for it.
-	passListPath := filepath.Join(filepath.Dir(cfg.CNISocket), passListDir)
-	apiAccessPath := filepath.Join(cfg.CNIConfDir, apiAccessFile)
-	passList, err := passlist.Open(passListPath, pods.notEnrolled(policy), a.log)
-	if err != nil {
-		return err
+	if p.passList, err = passlist.Open(p.passListPath, p.pods.notEnrolled(policy), a.log); err != nil {
+		return nil, err
 	}
 
-	var zdsServer *zds.Server
-	a.pipeline = enroll.New(enroll.Config{
+	p.pipeline = enroll.New(enroll.Config{
 		Policy:      policy,
-		Options:     redirect.Options{DNSCapture: cfg.DNSCapture},
-		Rules:       engine,
-		Probes:      probes,
-		Ztunnel:     ztunnelRef{&zdsServer},
-		Pods:        pods,
+		Rules:       podRules{engine, redirect.Options{DNSCapture: cfg.DNSCapture}},
+		Probes:      p.probes,
+		Ztunnel:     ztunnelRef{&p.zds},
+		Pods:        p.pods,
 		Finder:      podnetns.Finder{ProcRoot: cfg.ProcRoot},
-		Annotations: annotations,
-		Events:      observe.NewEvents(ctx, client, cfg.NodeName),
+		Annotations: p.annotations,
+		Events:      observe.NewEvents(ctx, p.client, cfg.NodeName),
 		Observer:    a.Metrics,
 		Logger:      a.log,
 	})
-	defer a.pipeline.Close()
-	zdsServer, err = zds.NewServer(zds.Config{SocketPath: cfg.ZDSSocket, Source: a.pipeline, Logger: a.log})
-	if err != nil {
-		return err
+	a.pipeline = p.pipeline
+	if p.zds, err = zds.NewServer(zds.Config{SocketPath: cfg.ZDSSocket, Source: p.pipeline, Logger: a.log}); err != nil {
+		return nil, err
 	}
-
-	cniSrv, err := cniserver.New(cniserver.Config{SocketPath: cfg.CNISocket, Handler: a.pipeline, Logger: a.log})
-	if err != nil {
-		return err
+	if p.cni, err = cniserver.New(cniserver.Config{SocketPath: cfg.CNISocket, Handler: p.pipeline, Logger: a.log}); err != nil {
+		return nil, err
 	}
-	if err := cniSrv.Listen(); err != nil {
-		return err
-	}
-	goRun("cni event server", func() error { defer close(cniServed); return cniSrv.Serve(ctx) })
-
-	var installer *cniinstall.Installer
 	if cfg.InstallCNI {
-		access := apiAccess{rest: restCfg, path: apiAccessPath, label: cfg.EnrollmentLabel}
-		if _, err := access.write(); err != nil {
-			a.log.Warn("no API access file for the plugin; while the agent is down it cannot tell enrolled pods apart and fails every pod's ADD", "err", err)
-		} else {
-			goRun("api access file", func() error { access.follow(ctx, a.log, time.Minute); return nil })
+		p.access = apiAccess{rest: a.restCfg, path: p.apiAccessPath, label: cfg.EnrollmentLabel}
+		if p.installer, err = a.newInstaller(p); err != nil {
+			return nil, err
 		}
-		cniWasInstalled := false // OnChange calls are sequential
-		inst, err := cniinstall.New(cniinstall.Config{
-			SourceDir: cfg.CNISourceDir, BinDir: cfg.CNIBinDir, ConfDir: cfg.CNIConfDir,
-			StateDir: filepath.Join(cfg.StateDir, "cni"), Logger: a.log,
-			Entry: cniinstall.Entry{AgentSocket: cfg.CNISocket, ExcludeNamespaces: cfg.ExcludedNamespaces,
-				APIAccess: apiAccessPath, PassList: passListPath},
-			OnChange: func(ok bool, reason string) {
-				// Installed again after having been installed: a repair.
-				// The first install at start is not one.
-				if ok && cniWasInstalled {
-					a.Metrics.CNIRepaired()
-				}
-				cniWasInstalled = cniWasInstalled || ok
-				a.Ready.Set(readiness.CNIInstalled, ok, reason)
-			},
-		})
-		if err != nil {
-			return err
-		}
-		installer = inst
-		goRun("cni installer", func() error { defer close(installerDone); return inst.Run(ctx) })
-	} else {
-		close(installerDone)
-		a.Ready.Set(readiness.CNIInstalled, true, "")
 	}
 
 	// Reconcile pods through a rate-limited queue, so failures retry with
 	// backoff and one pod never blocks another.
-	queue := workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[types.NamespacedName]())
+	p.queue = workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[types.NamespacedName]())
 	// The pass list is refreshed right in the handlers, not through the
 	// queue: a pod that turns enrolled must leave it before its sandbox's
 	// ADD can read it.
 	podChanged := func(obj any) {
 		if key, ok := podKey(obj); ok {
-			a.refreshPassList(passList, key)
-			queue.Add(key)
+			a.refreshPassList(p.passList, key)
+			p.queue.Add(key)
 		}
 	}
-	podInf.Core().V1().Pods().Informer().AddEventHandler(handlerFuncs(podChanged, podChanged))
-	nsInf.Core().V1().Namespaces().Informer().AddEventHandler(handlerFuncs(func(obj any) {
+	p.podInf.Core().V1().Pods().Informer().AddEventHandler(handlerFuncs(podChanged, podChanged))
+	p.nsInf.Core().V1().Namespaces().Informer().AddEventHandler(handlerFuncs(func(obj any) {
 		if ns, ok := obj.(*corev1.Namespace); ok {
-			for _, p := range pods.podsOfNamespace(ns.Name) {
-				key := types.NamespacedName{Namespace: p.Namespace, Name: p.Name}
-				a.refreshPassList(passList, key)
-				queue.Add(key)
+			for _, pod := range p.pods.podsOfNamespace(ns.Name) {
+				key := types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}
+				a.refreshPassList(p.passList, key)
+				p.queue.Add(key)
 			}
 		}
 	}, func(any) {}))
-	podInf.Start(ctx.Done())
-	nsInf.Start(ctx.Done())
+	return p, nil
+}
+
+func (a *Agent) newInstaller(p *pieces) (*cniinstall.Installer, error) {
+	cfg := a.cfg
+	cniWasInstalled := false // OnChange calls are sequential
+	return cniinstall.New(cniinstall.Config{
+		SourceDir: cfg.CNISourceDir, BinDir: cfg.CNIBinDir, ConfDir: cfg.CNIConfDir,
+		StateDir: filepath.Join(cfg.StateDir, "cni"), Logger: a.log,
+		Entry: cniinstall.Entry{AgentSocket: cfg.CNISocket, ExcludeNamespaces: cfg.ExcludedNamespaces,
+			APIAccess: p.apiAccessPath, PassList: p.passListPath},
+		OnChange: func(ok bool, reason string) {
+			// Installed again after having been installed: a repair.
+			// The first install at start is not one.
+			if ok && cniWasInstalled {
+				a.Metrics.CNIRepaired()
+			}
+			cniWasInstalled = cniWasInstalled || ok
+			a.Ready.Set(readiness.CNIInstalled, ok, reason)
+		},
+	})
+}
+
+// close stops the ZDS server (within stopTimeout) and releases what build
+// opened; safe on a partly built p.
+func (p *pieces) close() {
+	if p.zdsDone != nil {
+		p.stopZDS()
+		select {
+		case <-p.zdsDone:
+		case <-time.After(stopTimeout):
+		}
+	}
+	if p.pipeline != nil {
+		p.pipeline.Close()
+	}
+	if p.hostNS != nil {
+		p.hostNS.Close()
+	}
+}
+
+// start starts the pieces in order and returns once they have all stopped
+// again: nil when ctx ended, or the first failure, set-up or at runtime,
+// which stops the rest (errgroup). It never waits more than stopTimeout for
+// them after the stop.
+func (a *Agent) start(parent context.Context, p *pieces) error {
+	ctx, fail := context.WithCancelCause(parent)
+	defer fail(nil)
+	g, ctx := errgroup.WithContext(ctx)
+	// run runs one piece until ctx ends; its error stops the agent, unless
+	// the agent was stopping anyway.
+	run := func(name string, fn func(ctx context.Context) error) {
+		g.Go(func() error {
+			if err := fn(ctx); err != nil && ctx.Err() == nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
+			return nil
+		})
+	}
+	if err := a.startPieces(ctx, p, run, fail); err != nil {
+		fail(err)
+	}
+
+	<-ctx.Done()
+	stopped := make(chan struct{})
+	go func() { g.Wait(); close(stopped) }()
+	cause := context.Cause(ctx)
+	select {
+	case <-stopped:
+	case <-time.After(stopTimeout):
+		// Nothing is removed from the node: some piece may still act.
+		return fmt.Errorf("agent: not everything stopped within %s after: %w", stopTimeout, cause)
+	}
+	if parent.Err() != nil && cause == context.Cause(parent) {
+		return nil
+	}
+	return cause
+}
+
+// startPieces starts each piece, in the order that keeps the promises: the
+// CNI server answers (failing closed) from the start; ztunnel is served
+// only once the watches are synced and every running enrolled pod
+// restored, so its first snapshot is complete.
+func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, func(context.Context) error), fail context.CancelCauseFunc) error {
+	cfg := a.cfg
+	run("annotations", func(ctx context.Context) error { p.annotations.Run(ctx); return nil })
+	if err := p.cni.Listen(); err != nil {
+		return err
+	}
+	run("cni event server", p.cni.Serve)
+	if p.installer != nil {
+		if _, err := p.access.write(); err != nil {
+			a.log.Warn("no API access file for the plugin; while the agent is down it cannot tell enrolled pods apart and fails every pod's ADD", "err", err)
+		} else {
+			run("api access file", func(ctx context.Context) error { p.access.follow(ctx, a.log, time.Minute); return nil })
+		}
+		run("cni installer", p.installer.Run)
+	} else {
+		a.Ready.Set(readiness.CNIInstalled, true, "")
+	}
+
+	p.podInf.Start(ctx.Done())
+	p.nsInf.Start(ctx.Done())
 	a.log.Info("waiting for the pod and namespace watches to sync")
-	if !cache.WaitForCacheSync(ctx.Done(), podInf.Core().V1().Pods().Informer().HasSynced, nsInf.Core().V1().Namespaces().Informer().HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), p.podInf.Core().V1().Pods().Informer().HasSynced, p.nsInf.Core().V1().Namespaces().Informer().HasSynced) {
 		return ctx.Err()
 	}
-	// Restore before serving ztunnel: every running enrolled pod's netns is
-	// found and its rules verified, so the first snapshot is complete.
-	a.restore(ctx, pods, probes)
+	a.restore(ctx, p.pods, p.probes)
 	a.Ready.Set(readiness.PodsSynced, true, "")
-	goRun("pass list", func() error { return passList.Run(ctx) })
+	run("pass list", p.passList.Run)
+	context.AfterFunc(ctx, p.queue.ShutDown)
+	run("reconciler", func(ctx context.Context) error { a.reconcileLoop(ctx, p.queue, p.pods); return nil })
+
+	if err := p.zds.Listen(); err != nil {
+		return err
+	}
+	// The ZDS server outlives the rest: removing inpod from the node at
+	// shutdown still tells ztunnel about every pod it takes out. It stops
+	// in pieces.close; a failure of its own stops the agent.
+	var zdsCtx context.Context
+	zdsCtx, p.stopZDS = context.WithCancel(context.WithoutCancel(ctx))
+	p.zdsDone = make(chan struct{})
 	go func() {
-		<-ctx.Done()
-		queue.ShutDown()
+		defer close(p.zdsDone)
+		if err := p.zds.Serve(zdsCtx); err != nil && zdsCtx.Err() == nil {
+			fail(fmt.Errorf("zds server: %w", err))
+		}
 	}()
-	goRun("reconciler", func() error { defer close(reconcilerDone); a.reconcileLoop(ctx, queue, pods); return nil })
-	goRun("sandbox check", func() error { checkSandboxes(ctx, sandboxCheckInterval, a.pipeline.Enrolled, queue); return nil })
-
-	if err := zdsServer.Listen(); err != nil {
-		return err
-	}
-	goRun("zds server", func() error { return zdsServer.Serve(zdsCtx) })
-	goRun("zds readiness", func() error {
-		states, stop := zdsServer.Subscribe()
-		defer stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return nil
-			case st := <-states:
-				a.Metrics.ZtunnelConnections(st.Connections)
-				reason := ""
-				if !st.Ready {
-					reason = fmt.Sprintf("no ztunnel has acknowledged a snapshot (%d connections)", st.Connections)
-				}
-				a.Ready.Set(readiness.ZtunnelConnected, st.Ready, reason)
-			}
-		}
+	run("zds readiness", func(ctx context.Context) error { a.followZtunnel(ctx, p.zds); return nil })
+	run("sandbox check", func(ctx context.Context) error {
+		checkSandboxes(ctx, sandboxCheckInterval, p.pipeline.Enrolled, p.queue)
+		return nil
 	})
-	switch cfg.Gate {
-	case "", "deviceplugin":
-		dpCfg := cfg.DevicePlugin
-		if dpCfg.Devices <= 0 {
-			dpCfg.Devices = a.podCapacity(ctx, client)
-		}
-		dpCfg.Ready, dpCfg.Observer, dpCfg.Logger = a.Ready, a.Metrics, a.log
-		dp, err := deviceplugin.New(dpCfg)
-		if err != nil {
-			return err
-		}
-		goRun("device plugin", func() error { return dp.Run(ctx) })
-	case "none":
-	default:
-		return fmt.Errorf("agent: unknown gate %q (want deviceplugin or none)", cfg.Gate)
-	}
-	goRun("observability", func() error { return observe.Serve(ctx, a.log, cfg.HealthAddr, cfg.MetricsAddr, a.Metrics, a.Ready) })
 
-	select {
-	case <-ctx.Done():
-		if !a.removedFromCluster(client) {
-			a.log.Info("agent stopping; rules, ztunnel's proxies and the CNI plugin stay in place")
-			return nil
+	for _, gate := range a.gates {
+		run("gate "+gate.Name(), func(ctx context.Context) error { return gate.Run(ctx, a.Ready) })
+	}
+	run("observability", func(ctx context.Context) error {
+		return observe.Serve(ctx, a.log, cfg.HealthAddr, cfg.MetricsAddr, a.Metrics, a.Ready)
+	})
+	return nil
+}
+
+// followZtunnel turns the ZDS server's state into the readiness condition.
+func (a *Agent) followZtunnel(ctx context.Context, s *zds.Server) {
+	states, stop := s.Subscribe()
+	defer stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case st := <-states:
+			a.Metrics.ZtunnelConnections(st.Connections)
+			reason := ""
+			if !st.Ready {
+				reason = fmt.Sprintf("no ztunnel has acknowledged a snapshot (%d connections)", st.Connections)
+			}
+			a.Ready.Set(readiness.ZtunnelConnected, st.Ready, reason)
 		}
-		for _, done := range []chan struct{}{cniServed, installerDone, reconcilerDone} {
-			<-done
-		}
-		return a.removeFromNode(installer, probes, annotations, apiAccessPath, passListPath)
-	case err := <-errc:
-		return err
 	}
 }
 
@@ -418,6 +517,18 @@ func (a *Agent) refreshPassList(l *passlist.List, key types.NamespacedName) {
 	}
 }
 
+// podRules applies the agent's options on every Apply, so the pipeline
+// needs nothing of package redirect.
+type podRules struct {
+	*redirect.Engine
+	opts redirect.Options
+}
+
+func (r podRules) Apply(ns *os.File) (changed bool, err error) {
+	res, err := r.Engine.Apply(ns, r.opts)
+	return res.Changed, err
+}
+
 // ztunnelRef lets the pipeline be built before the ZDS server, which needs
 // the pipeline as its pod source.
 type ztunnelRef struct{ s **zds.Server }
@@ -456,12 +567,12 @@ func loadRestConfig(kubeconfig string) (*rest.Config, error) {
 // podCapacity is how many devices to advertise when not configured: one per
 // pod the node can run (its status.capacity.pods, the kubelet's maxPods),
 // so the gate never caps the node below its own limit.
-func (a *Agent) podCapacity(ctx context.Context, client kubernetes.Interface) int {
+func (a *Agent) podCapacity(ctx context.Context) int {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	var lastErr error
 	for {
-		node, err := client.CoreV1().Nodes().Get(ctx, a.cfg.NodeName, metav1.GetOptions{})
+		node, err := a.client.CoreV1().Nodes().Get(ctx, a.cfg.NodeName, metav1.GetOptions{})
 		if err == nil {
 			if pods, ok := node.Status.Capacity[corev1.ResourcePods]; ok && pods.Value() > 0 {
 				a.log.Info("advertising one device per pod the node can run", "devices", pods.Value())

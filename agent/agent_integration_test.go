@@ -34,6 +34,7 @@ import (
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/deviceplugin/kubelettest"
 	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/passlist"
@@ -168,6 +169,43 @@ func (w *world) runAgent() (stop func() error) {
 	return stop
 }
 
+// A component failing at runtime ends Run with its error, promptly, having
+// stopped everything else: the process exits non-zero and the kubelet
+// restarts it, instead of an agent lingering half-alive behind a green
+// /healthz (invariant 7). Here the device-plugin directory vanishes, so the
+// gate cannot serve its socket again.
+func TestIntegrationAComponentFailingAtRuntimeEndsRun(t *testing.T) {
+	w := newWorld(t)
+	cfg := w.cfg
+	cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, nil))
+	a, err := agent.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+	// A hung Run stops once cancelled: the test then fails instead of
+	// hanging.
+	t.Cleanup(func() { cancel(); <-done })
+	w.eventually("the agent ready", func() bool { return a.Ready.State().Ready })
+
+	failed := time.Now()
+	if err := os.RemoveAll(w.cfg.DevicePlugin.PluginDir); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		done <- err // for the cleanup
+		if err == nil || !strings.Contains(err.Error(), "deviceplugin") {
+			t.Fatalf("Run returned %v, want the device plugin's failure", err)
+		}
+		t.Logf("Run returned %s after the failure: %v", time.Since(failed).Round(time.Millisecond), err)
+	case <-time.After(5 * time.Second):
+		t.Fatal("Run did not return within 5 s of the device plugin failing: the agent hangs half-alive")
+	}
+}
+
 // startStandin connects a fresh ztunnel stand-in; the returned func stops it.
 func (w *world) startStandin() func() {
 	w.standin = ztunnel.New(ztunnel.Config{SocketPath: w.cfg.ZDSSocket, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
@@ -190,13 +228,7 @@ func (w testWriter) Write(p []byte) (int, error) {
 
 func (w *world) eventually(what string, cond func() bool) {
 	w.t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			w.t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	testkit.Eventually(w.t, 20*time.Second, what, cond)
 }
 
 // pod creates a pod object bound to the node and a netns for its sandbox.

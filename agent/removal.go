@@ -10,10 +10,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
-
-	"github.com/inpod-dev/inpod/agent/cniinstall"
-	"github.com/inpod-dev/inpod/agent/enroll"
-	"github.com/inpod-dev/inpod/agent/redirect"
 )
 
 // removalTimeout bounds removing inpod from the node at shutdown; keep the
@@ -52,30 +48,30 @@ func (a *Agent) removedFromCluster(client kubernetes.Interface) bool {
 // pods start without inpod), then every enrolled pod loses its rules and
 // ztunnel is told, then the node-wide pieces go. Callers have stopped the
 // CNI server, the installer's watch and the reconciler.
-func (a *Agent) removeFromNode(installer *cniinstall.Installer, probes *redirect.HostProbes, annotations *enroll.AnnotationWriter, accessFile, passList string) error {
+func (a *Agent) removeFromNode(p *pieces) error {
 	ctx, cancel := context.WithTimeout(context.Background(), removalTimeout)
 	defer cancel()
 	var errs []error
-	if installer != nil {
-		if err := installer.Uninstall(); err != nil {
+	if p.installer != nil {
+		if err := p.installer.Uninstall(); err != nil {
 			errs = append(errs, err)
 		}
-		if err := os.Remove(accessFile); err != nil && !errors.Is(err, os.ErrNotExist) {
+		if err := os.Remove(p.apiAccessPath); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, err)
 		}
 	}
-	if err := a.pipeline.UnenrollAll(ctx); err != nil {
+	if err := p.pipeline.UnenrollAll(ctx); err != nil {
 		errs = append(errs, err)
 	}
 	// The writer's loop has stopped with the agent; the pods' redirection
 	// annotations are removed here.
-	if err := annotations.Flush(ctx); err != nil {
+	if err := p.annotations.Flush(ctx); err != nil {
 		errs = append(errs, err)
 	}
-	if err := probes.Uninstall(); err != nil {
+	if err := p.probes.Uninstall(); err != nil {
 		errs = append(errs, err)
 	}
-	if err := os.RemoveAll(passList); err != nil {
+	if err := os.RemoveAll(p.passListPath); err != nil {
 		errs = append(errs, err)
 	}
 	if err := errors.Join(errs...); err != nil {

@@ -11,9 +11,9 @@ import (
 	"time"
 
 	"github.com/inpod-dev/inpod/agent/cniinstall"
-	"github.com/inpod-dev/inpod/agent/readiness"
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/deviceplugin/kubelettest"
+	"github.com/inpod-dev/inpod/readiness"
 	"github.com/inpod-dev/inpod/zds"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
@@ -120,11 +120,11 @@ func BenchmarkGateFlip(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer k.Stop()
-	dp, err := deviceplugin.New(deviceplugin.Config{PluginDir: pluginDir, Devices: 8, Ready: ready, Logger: log})
+	dp, err := deviceplugin.New(deviceplugin.Config{PluginDir: pluginDir, Devices: 8, Logger: log})
 	if err != nil {
 		b.Fatal(err)
 	}
-	go dp.Run(ctx)
+	go dp.Run(ctx, ready)
 
 	connect := func() (stop func()) {
 		z := ztunnel.New(ztunnel.Config{SocketPath: filepath.Join(dir, "zt.sock"), Logger: log, MinBackoff: time.Millisecond})

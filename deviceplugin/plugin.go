@@ -31,7 +31,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 
-	"github.com/inpod-dev/inpod/agent/readiness"
+	"github.com/inpod-dev/inpod/internal/latest"
+	"github.com/inpod-dev/inpod/readiness"
 )
 
 // Defaults of the design.
@@ -45,12 +46,6 @@ const (
 	GatedAnnotation = "inpod.dev/redirection-gated"
 )
 
-// Readiness is what the plugin follows (readiness.Aggregate).
-type Readiness interface {
-	Subscribe() (<-chan readiness.State, func())
-	State() readiness.State
-}
-
 // Observer counts what the plugin does, for metrics.
 type Observer interface {
 	Registered(reregistration bool)
@@ -60,14 +55,16 @@ type Observer interface {
 // Config configures the plugin.
 type Config struct {
 	ResourceName string
-	Devices      int
+	// Devices is how many devices to advertise; 0 asks DevicesFrom once at
+	// Run (the agent reads the Node's pod capacity), or DefaultDevices.
+	Devices     int
+	DevicesFrom func(ctx context.Context) int
 	// PluginDir holds kubelet.sock and the plugin's own socket.
 	PluginDir string
 	// SocketName is unique per agent instance, so a rolling update with
 	// surge never has two instances on one socket (default:
 	// inpod-<random>.sock).
 	SocketName string
-	Ready      Readiness
 	Observer   Observer
 	Logger     *slog.Logger
 }
@@ -80,7 +77,9 @@ type Plugin struct {
 
 	mu      sync.Mutex
 	healthy bool
-	watch   []chan []*pluginapi.Device
+	// devices is what every ListAndWatch stream sends: the latest list,
+	// never blocking the readiness follower on a slow kubelet.
+	devices *latest.Value[[]*pluginapi.Device]
 }
 
 // New validates cfg.
@@ -91,7 +90,7 @@ func New(cfg Config) (*Plugin, error) {
 	if err := validResourceName(cfg.ResourceName); err != nil {
 		return nil, err
 	}
-	if cfg.Devices <= 0 {
+	if cfg.Devices <= 0 && cfg.DevicesFrom == nil {
 		cfg.Devices = DefaultDevices
 	}
 	if cfg.PluginDir == "" {
@@ -105,15 +104,15 @@ func New(cfg Config) (*Plugin, error) {
 	if strings.Contains(cfg.SocketName, "/") {
 		return nil, fmt.Errorf("deviceplugin: socket name %q must be a file name in the plugin dir", cfg.SocketName)
 	}
-	if cfg.Ready == nil {
-		return nil, errors.New("deviceplugin: Config.Ready is required")
-	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.Default()
 	}
 	return &Plugin{cfg: cfg, log: log.With("component", "deviceplugin", "resource", cfg.ResourceName)}, nil
 }
+
+// Name is the gate's --gate value.
+func (p *Plugin) Name() string { return "deviceplugin" }
 
 // validResourceName applies the kubelet's rule: an extended resource is
 // "<domain>/<name>" outside the kubernetes.io domains.
@@ -133,10 +132,16 @@ func (p *Plugin) SocketPath() string { return filepath.Join(p.cfg.PluginDir, p.c
 
 func (p *Plugin) kubeletSocket() string { return filepath.Join(p.cfg.PluginDir, "kubelet.sock") }
 
-// Run serves and registers until ctx ends, following readiness and
-// re-registering after kubelet restarts.
-func (p *Plugin) Run(ctx context.Context) error {
-	states, cancel := p.cfg.Ready.Subscribe()
+// Run serves and registers until ctx ends, following ready and
+// re-registering after kubelet restarts. A Plugin runs once.
+func (p *Plugin) Run(ctx context.Context, ready *readiness.Aggregate) error {
+	if p.cfg.Devices <= 0 {
+		if p.cfg.Devices = p.cfg.DevicesFrom(ctx); p.cfg.Devices <= 0 {
+			p.cfg.Devices = DefaultDevices
+		}
+	}
+	p.devices = latest.New(p.devicesLocked())
+	states, cancel := ready.Subscribe()
 	defer cancel()
 	go p.followReadiness(ctx, states)
 
@@ -292,14 +297,7 @@ func (p *Plugin) setHealthy(healthy bool, failing []string) {
 	p.mu.Lock()
 	changed := healthy != p.healthy
 	p.healthy = healthy
-	devs := p.devicesLocked()
-	for _, ch := range p.watch {
-		select {
-		case <-ch:
-		default:
-		}
-		ch <- devs
-	}
+	p.devices.Publish(p.devicesLocked())
 	p.mu.Unlock()
 	if changed {
 		if healthy {
@@ -332,21 +330,8 @@ func (p *Plugin) GetDevicePluginOptions(context.Context, *pluginapi.Empty) (*plu
 
 // ListAndWatch sends the devices now and after every health change.
 func (p *Plugin) ListAndWatch(_ *pluginapi.Empty, stream grpc.ServerStreamingServer[pluginapi.ListAndWatchResponse]) error {
-	ch := make(chan []*pluginapi.Device, 1)
-	p.mu.Lock()
-	ch <- p.devicesLocked()
-	p.watch = append(p.watch, ch)
-	p.mu.Unlock()
-	defer func() {
-		p.mu.Lock()
-		for i, c := range p.watch {
-			if c == ch {
-				p.watch = append(p.watch[:i], p.watch[i+1:]...)
-				break
-			}
-		}
-		p.mu.Unlock()
-	}()
+	ch, cancel := p.devices.Subscribe()
+	defer cancel()
 	for {
 		select {
 		case <-stream.Context().Done():

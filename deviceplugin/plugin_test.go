@@ -8,22 +8,17 @@ import (
 	"testing"
 	"time"
 
-	"github.com/inpod-dev/inpod/agent/readiness"
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/deviceplugin/kubelettest"
+	"github.com/inpod-dev/inpod/internal/testkit"
+	"github.com/inpod-dev/inpod/readiness"
 )
 
 const res = deviceplugin.DefaultResourceName
 
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	testkit.Eventually(t, 10*time.Second, what, cond)
 }
 
 func startKubelet(t *testing.T, dir string) *kubelettest.Kubelet {
@@ -38,7 +33,7 @@ func startKubelet(t *testing.T, dir string) *kubelettest.Kubelet {
 
 func startPlugin(t *testing.T, dir string, ready *readiness.Aggregate, mod func(*deviceplugin.Config)) *deviceplugin.Plugin {
 	t.Helper()
-	cfg := deviceplugin.Config{PluginDir: dir, Devices: 8, Ready: ready}
+	cfg := deviceplugin.Config{PluginDir: dir, Devices: 8}
 	if mod != nil {
 		mod(&cfg)
 	}
@@ -48,7 +43,7 @@ func startPlugin(t *testing.T, dir string, ready *readiness.Aggregate, mod func(
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- p.Run(ctx) }()
+	go func() { done <- p.Run(ctx, ready) }()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-done; err != nil {
@@ -156,8 +151,19 @@ func TestAllocateOnlyWhileReady(t *testing.T) {
 
 func TestResourceNameRules(t *testing.T) {
 	for _, bad := range []string{"redirection", "kubernetes.io/redirection", "x.kubernetes.io/y", "a/b/c", "/x"} {
-		if _, err := deviceplugin.New(deviceplugin.Config{ResourceName: bad, Ready: newReady()}); err == nil {
+		if _, err := deviceplugin.New(deviceplugin.Config{ResourceName: bad}); err == nil {
 			t.Errorf("resource name %q accepted", bad)
 		}
 	}
+}
+
+// Left at 0, the device count is asked for once at Run (the agent reads the
+// Node's pod capacity there, off New's path).
+func TestDevicesFromIsAskedAtRun(t *testing.T) {
+	dir := t.TempDir()
+	k := startKubelet(t, dir)
+	startPlugin(t, dir, newReady(), func(c *deviceplugin.Config) {
+		c.Devices, c.DevicesFrom = 0, func(context.Context) int { return 3 }
+	})
+	eventually(t, "3 devices registered", func() bool { return k.Capacity(res) == 3 })
 }

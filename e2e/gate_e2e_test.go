@@ -8,7 +8,6 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -23,6 +22,7 @@ import (
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/images"
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/plugin/plugintest"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
@@ -30,33 +30,13 @@ import (
 
 const gateResource = corev1.ResourceName(deviceplugin.DefaultResourceName)
 
-func repoDir(t *testing.T) string {
-	out, err := exec.Command("go", "env", "GOMOD").Output()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return filepath.Dir(strings.TrimSpace(string(out)))
-}
-
-func poll(t *testing.T, timeout time.Duration, what string, cond func() bool) time.Duration {
-	t.Helper()
-	start := time.Now()
-	for !cond() {
-		if time.Since(start) > timeout {
-			t.Fatalf("timed out after %s waiting for %s", timeout, what)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	return time.Since(start)
-}
-
 // TestE2EDevicePluginGatesScheduling runs the agent (as a host process, in
 // the node's netns, against the node's real kubelet, containerd and CNI
 // configuration) with the ztunnel stand-in, and checks the gate end to end.
 func TestE2EDevicePluginGatesScheduling(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	node, err := cluster.StartNode(ctx, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-gate"}, RepoDir: repoDir(t)})
+	node, err := cluster.StartNode(ctx, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-gate"}, RepoDir: testkit.RepoDir(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -115,7 +95,7 @@ func TestE2EDevicePluginGatesScheduling(t *testing.T) {
 		return q.Value()
 	}
 	// Registered, but not ready (no ztunnel): capacity N, allocatable 0.
-	poll(t, 60*time.Second, "the resource registered on the Node", func() bool { return capacity() == devices })
+	testkit.Eventually(t, 60*time.Second, "the resource registered on the Node", func() bool { return capacity() == devices })
 	if got := allocatable(); got != 0 {
 		t.Fatalf("allocatable %d before ztunnel connected, want 0", got)
 	}
@@ -137,7 +117,7 @@ func TestE2EDevicePluginGatesScheduling(t *testing.T) {
 	if _, err := pods.Create(ctx, gated("early"), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	poll(t, 60*time.Second, "the scheduler to report the pod unschedulable", func() bool {
+	testkit.Eventually(t, 60*time.Second, "the scheduler to report the pod unschedulable", func() bool {
 		p, err := pods.Get(ctx, "early", metav1.GetOptions{})
 		if err != nil {
 			return false
@@ -158,10 +138,10 @@ func TestE2EDevicePluginGatesScheduling(t *testing.T) {
 	go func() { z.Run(zctx); close(zdone) }()
 	stopZ := func() { zcancel(); <-zdone }
 	t.Cleanup(stopZ)
-	poll(t, 30*time.Second, "the agent ready", func() bool { return a.Ready.State().Ready })
-	window := poll(t, 60*time.Second, "allocatable on the Node", func() bool { return allocatable() == devices })
+	testkit.Eventually(t, 30*time.Second, "the agent ready", func() bool { return a.Ready.State().Ready })
+	window := testkit.Eventually(t, 60*time.Second, "allocatable on the Node", func() bool { return allocatable() == devices })
 	t.Logf("window from the agent ready to the Node's allocatable updated: %s (kubelet nodeStatusUpdateFrequency 10s)", window.Round(10*time.Millisecond))
-	poll(t, 90*time.Second, "the gated pod Running once the node is ready", func() bool {
+	testkit.Eventually(t, 90*time.Second, "the gated pod Running once the node is ready", func() bool {
 		p, err := pods.Get(ctx, "early", metav1.GetOptions{})
 		return err == nil && p.Status.Phase == corev1.PodRunning
 	})
@@ -172,19 +152,19 @@ func TestE2EDevicePluginGatesScheduling(t *testing.T) {
 	// the kubelet's own admission (the device manager sees no healthy
 	// device) and never starts.
 	stopZ()
-	poll(t, 10*time.Second, "the agent not ready", func() bool { return !a.Ready.State().Ready })
+	testkit.Eventually(t, 10*time.Second, "the agent not ready", func() bool { return !a.Ready.State().Ready })
 	if got := allocatable(); got == 0 {
 		t.Skip("the node status sync already ran; the window this case needs has closed")
 	}
 	if _, err := pods.Create(ctx, gated("in-window"), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	poll(t, 60*time.Second, "the kubelet to refuse the pod bound in the window", func() bool {
+	testkit.Eventually(t, 60*time.Second, "the kubelet to refuse the pod bound in the window", func() bool {
 		p, err := pods.Get(ctx, "in-window", metav1.GetOptions{})
 		if err != nil || p.Spec.NodeName == "" {
 			return false
 		}
 		return p.Status.Phase == corev1.PodFailed && p.Status.Reason == "UnexpectedAdmissionError"
 	})
-	poll(t, 60*time.Second, "allocatable back to 0 on the Node", func() bool { return allocatable() == 0 })
+	testkit.Eventually(t, 60*time.Second, "allocatable back to 0 on the Node", func() bool { return allocatable() == 0 })
 }

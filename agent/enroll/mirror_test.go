@@ -103,7 +103,7 @@ func TestStaticPodsAreDecidedByTheirMirrorPod(t *testing.T) {
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	p := enroll.New(enroll.Config{
 		Policy: enroll.Policy{ExcludedNamespaces: []string{"kube-system"}},
-		Rules:  redirect.NewEngine(redirect.NewNFTables()), Probes: probes, Ztunnel: zt, Pods: c,
+		Rules:  nftRules{redirect.NewEngine(redirect.NewNFTables())}, Probes: probes, Ztunnel: zt, Pods: c,
 		Annotations: rec, Events: rec, Observer: rec, Logger: log,
 	})
 	defer p.Close()

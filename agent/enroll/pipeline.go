@@ -15,7 +15,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/cnievent"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/zds"
@@ -23,9 +22,11 @@ import (
 
 // The pipeline's collaborators, as it uses them.
 type (
-	// Rules installs and removes the in-pod rules (redirect.Engine).
+	// Rules installs and removes the in-pod rules (the agent's
+	// redirect.Engine, with its options). Apply reports changed false when
+	// everything was already in place.
 	Rules interface {
-		Apply(ns *os.File, opts redirect.Options) (redirect.Result, error)
+		Apply(ns *os.File) (changed bool, err error)
 		Remove(ns *os.File) (bool, error)
 	}
 	// ProbeSet exempts kubelet probes to enrolled IPs (redirect.HostProbes).
@@ -72,7 +73,6 @@ type (
 // Config wires a Pipeline.
 type Config struct {
 	Policy      Policy
-	Options     redirect.Options
 	Rules       Rules
 	Probes      ProbeSet
 	Ztunnel     Ztunnel
@@ -276,8 +276,8 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	if old == nil {
 		p.cfg.Annotations.Set(key, AnnotationPending)
 	}
-	applied, err := p.cfg.Rules.Apply(sb.netns, p.cfg.Options)
-	rulesWritten = applied.Changed
+	changed, err := p.cfg.Rules.Apply(sb.netns)
+	rulesWritten = changed
 	if err != nil {
 		return abort(fail("RedirectionFailed", "apply redirection rules: %v", err))
 	}
@@ -433,11 +433,11 @@ func (p *Pipeline) Check(ctx context.Context, req *cnievent.Request) (cnievent.O
 		e.containerID = req.ContainerID
 		p.mu.Unlock()
 	}
-	res, err := p.cfg.Rules.Apply(e.netns, p.cfg.Options)
+	changed, err := p.cfg.Rules.Apply(e.netns)
 	if err != nil {
 		return cnievent.Failed, fmt.Errorf("verify rules: %w", err)
 	}
-	if res.Changed {
+	if changed {
 		return cnievent.Failed, errors.New("redirection rules were not intact (now repaired)")
 	}
 	return cnievent.Redirected, nil

@@ -142,7 +142,7 @@ func newFixture(t *testing.T) *fixture {
 	log := slog.New(slog.NewTextHandler(tlog{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	var srv *zds.Server
 	f.p = enroll.New(enroll.Config{
-		Rules:       redirect.NewEngine(redirect.NewNFTables()),
+		Rules:       nftRules{redirect.NewEngine(redirect.NewNFTables())},
 		Probes:      f.probes,
 		Ztunnel:     ztunnelRef{&srv},
 		Pods:        f.cache,
@@ -621,4 +621,13 @@ func runInPod(t *testing.T, sb sandbox, uid types.UID) {
 		id, err := netns.IdentityOfPath(fmt.Sprintf("/proc/%d/ns/net", cmd.Process.Pid))
 		return err == nil && id == want
 	})
+}
+
+// nftRules is the agent's rule engine as the pipeline sees it: the real
+// nftables backend with default options.
+type nftRules struct{ *redirect.Engine }
+
+func (r nftRules) Apply(ns *os.File) (bool, error) {
+	res, err := r.Engine.Apply(ns, redirect.Options{})
+	return res.Changed, err
 }

@@ -13,7 +13,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
-	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/cnievent"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
@@ -82,8 +81,8 @@ func TestSnapshotFilesOutliveAnUnenroll(t *testing.T) {
 
 type snapshotNoRules struct{}
 
-func (snapshotNoRules) Apply(*os.File, redirect.Options) (redirect.Result, error) {
-	return redirect.Result{Changed: true}, nil
+func (snapshotNoRules) Apply(*os.File) (bool, error) {
+	return true, nil
 }
 func (snapshotNoRules) Remove(*os.File) (bool, error) { return true, nil }
 

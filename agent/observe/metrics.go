@@ -16,7 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/inpod-dev/inpod/agent/readiness"
+	"github.com/inpod-dev/inpod/readiness"
 )
 
 // Metrics are the agent's Prometheus series.

@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/inpod-dev/inpod/agent/readiness"
+	"github.com/inpod-dev/inpod/readiness"
 )
 
 func freeAddr(t *testing.T) string {

@@ -75,33 +75,33 @@ func nftRules(opts Options, fams []Family) []nftChain {
 
 	natPre := nftChain{chain: chain("nat_prerouting", nftables.ChainTypeNAT, nftables.ChainHookPrerouting, nftables.ChainPriorityNATDest)}
 	natPre.rules = perFamily(func(f Family) []expr.Any {
-		return cat(l4(unix.IPPROTO_TCP), addr(f, false, expr.CmpOpEq, f.probeSource().AsSlice()), accept())
+		return cat(l4(unix.IPPROTO_TCP), addr(f, source, expr.CmpOpEq, f.probeSource().AsSlice()), accept())
 	})
 	if !opts.NoInboundCapture {
 		natPre.rules = append(natPre.rules, perFamily(func(f Family) []expr.Any {
-			return cat(l4(unix.IPPROTO_TCP), addr(f, true, expr.CmpOpNeq, f.loopback().AsSlice()),
-				port(false, expr.CmpOpNeq, PortHBONE), markMasked(expr.CmpOpNeq, ZtunnelMark), redirect(PortInbound))
+			return cat(l4(unix.IPPROTO_TCP), addr(f, destination, expr.CmpOpNeq, f.loopback().AsSlice()),
+				port(destination, expr.CmpOpNeq, PortHBONE), markMasked(expr.CmpOpNeq, ZtunnelMark), redirect(PortInbound))
 		})...)
 	}
 
 	natOut := nftChain{chain: chain("nat_output", nftables.ChainTypeNAT, nftables.ChainHookOutput, nftables.ChainPriorityNATDest)}
 	natOut.rules = perFamily(func(f Family) []expr.Any {
-		return cat(l4(unix.IPPROTO_TCP), addr(f, true, expr.CmpOpEq, f.probeSource().AsSlice()), accept())
+		return cat(l4(unix.IPPROTO_TCP), addr(f, destination, expr.CmpOpEq, f.probeSource().AsSlice()), accept())
 	})
 	if opts.DNSCapture {
 		natOut.rules = append(natOut.rules, cat(oif(expr.CmpOpNeq, "lo"), l4(unix.IPPROTO_UDP),
-			markMasked(expr.CmpOpNeq, ZtunnelMark), port(false, expr.CmpOpEq, 53), redirect(PortDNS)))
+			markMasked(expr.CmpOpNeq, ZtunnelMark), port(destination, expr.CmpOpEq, 53), redirect(PortDNS)))
 		natOut.rules = append(natOut.rules, perFamily(func(f Family) []expr.Any {
-			return cat(l4(unix.IPPROTO_TCP), addr(f, true, expr.CmpOpNeq, f.loopback().AsSlice()),
-				port(false, expr.CmpOpEq, 53), markMasked(expr.CmpOpNeq, ZtunnelMark), redirect(PortDNS))
+			return cat(l4(unix.IPPROTO_TCP), addr(f, destination, expr.CmpOpNeq, f.loopback().AsSlice()),
+				port(destination, expr.CmpOpEq, 53), markMasked(expr.CmpOpNeq, ZtunnelMark), redirect(PortDNS))
 		})...)
 	}
 	natOut.rules = append(natOut.rules, cat(l4(unix.IPPROTO_TCP), markMasked(expr.CmpOpEq, ConnMark), accept()))
 	natOut.rules = append(natOut.rules, perFamily(func(f Family) []expr.Any {
-		return cat(addr(f, true, expr.CmpOpNeq, f.loopback().AsSlice()), oif(expr.CmpOpEq, "lo"), accept())
+		return cat(addr(f, destination, expr.CmpOpNeq, f.loopback().AsSlice()), oif(expr.CmpOpEq, "lo"), accept())
 	})...)
 	natOut.rules = append(natOut.rules, perFamily(func(f Family) []expr.Any {
-		return cat(l4(unix.IPPROTO_TCP), addr(f, true, expr.CmpOpNeq, f.loopback().AsSlice()),
+		return cat(l4(unix.IPPROTO_TCP), addr(f, destination, expr.CmpOpNeq, f.loopback().AsSlice()),
 			markMasked(expr.CmpOpNeq, ZtunnelMark), redirect(PortOutbound))
 	})...)
 
@@ -113,9 +113,9 @@ func nftRules(opts Options, fams []Family) []nftChain {
 		}
 		chains = append(chains,
 			nftChain{chain: chain("raw_prerouting", nftables.ChainTypeFilter, nftables.ChainHookPrerouting, nftables.ChainPriorityRaw),
-				rules: [][]expr.Any{cat(l4(unix.IPPROTO_UDP), markMasked(expr.CmpOpNeq, ZtunnelMark), port(true, expr.CmpOpEq, 53), zone)}},
+				rules: [][]expr.Any{cat(l4(unix.IPPROTO_UDP), markMasked(expr.CmpOpNeq, ZtunnelMark), port(source, expr.CmpOpEq, 53), zone)}},
 			nftChain{chain: chain("raw_output", nftables.ChainTypeFilter, nftables.ChainHookOutput, nftables.ChainPriorityRaw),
-				rules: [][]expr.Any{cat(l4(unix.IPPROTO_UDP), markMasked(expr.CmpOpEq, ZtunnelMark), port(false, expr.CmpOpEq, 53), zone)}},
+				rules: [][]expr.Any{cat(l4(unix.IPPROTO_UDP), markMasked(expr.CmpOpEq, ZtunnelMark), port(destination, expr.CmpOpEq, 53), zone)}},
 		)
 	}
 	return chains
@@ -162,14 +162,22 @@ func l4(proto byte) []expr.Any {
 	}
 }
 
-// addr matches the packet's destination (or source) address; in an inet
+// side is which end of the packet a match reads.
+type side int
+
+const (
+	source side = iota
+	destination
+)
+
+// addr matches the packet's source or destination address; in an inet
 // table the family is checked first so the offset means what it should.
-func addr(f Family, dst bool, op expr.CmpOp, ip []byte) []expr.Any {
+func addr(f Family, end side, op expr.CmpOp, ip []byte) []expr.Any {
 	offset, size := uint32(12), uint32(4) // IPv4 saddr
 	if f == IPv6 {
 		offset, size = 8, 16
 	}
-	if dst {
+	if end == destination {
 		offset += size
 	}
 	return cat(nfproto(f), []expr.Any{
@@ -180,10 +188,10 @@ func addr(f Family, dst bool, op expr.CmpOp, ip []byte) []expr.Any {
 
 // port matches the transport header's source or destination port (TCP and
 // UDP share the layout).
-func port(src bool, op expr.CmpOp, p uint16) []expr.Any {
-	offset := uint32(2)
-	if src {
-		offset = 0
+func port(end side, op expr.CmpOp, p uint16) []expr.Any {
+	offset := uint32(0) // sport
+	if end == destination {
+		offset = 2
 	}
 	return []expr.Any{
 		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: offset, Len: 2},

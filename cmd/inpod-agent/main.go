@@ -48,7 +48,7 @@ func run() error {
 	fs.StringVar(&cfg.HostNetNS, "host-netns", "/proc/self/ns/net", "the node's network namespace (for the kubelet probe rules and backend detection)")
 	fs.StringVar(&cfg.HealthAddr, "health-addr", ":15021", "address of /healthz and /readyz")
 	fs.StringVar(&cfg.MetricsAddr, "metrics-addr", ":15020", "address of /metrics")
-	fs.StringVar(&cfg.Gate, "gate", "deviceplugin", "how scheduling follows readiness: deviceplugin or none")
+	fs.StringVar(&cfg.Gate, "gate", "deviceplugin", "how scheduling follows readiness: a comma list of gates (deviceplugin), or none")
 	fs.StringVar(&cfg.DaemonSet, "daemonset", "", "the agent's own DaemonSet, namespace/name: at shutdown, if it is gone or being deleted, the agent removes inpod from the node (CNI plugin and config, pod rules); empty: never")
 	fs.StringVar(&cfg.DevicePlugin.PluginDir, "device-plugin-dir", deviceplugin.DefaultPluginDir, "the kubelet's device plugin directory")
 	fs.StringVar(&cfg.DevicePlugin.ResourceName, "resource-name", deviceplugin.DefaultResourceName, "the extended resource pods request")

@@ -10,7 +10,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -224,22 +223,7 @@ func (n *Node) setupCNI() error {
 			return err
 		}
 	}
-	conflist := map[string]any{
-		"cniVersion": "1.0.0",
-		"name":       NetworkName,
-		"plugins": []any{
-			map[string]any{
-				"type": "bridge", "bridge": BridgeName, "isGateway": true, "ipMasq": false,
-				"ipam": map[string]any{
-					"type":    "host-local",
-					"ranges":  [][]map[string]string{{{"subnet": PodCIDR}}},
-					"routes":  []map[string]string{{"dst": "0.0.0.0/0"}},
-					"dataDir": filepath.Join(n.cfg.Root, "cni", "ipam"),
-				},
-			},
-			map[string]any{"type": "portmap", "capabilities": map[string]bool{"portMappings": true}},
-		},
-	}
+	conflist := primaryConflist(filepath.Join(n.cfg.Root, "cni", "ipam"))
 	data, err := json.MarshalIndent(conflist, "", "  ")
 	if err != nil {
 		return err
@@ -252,29 +236,7 @@ func (n *Node) startContainerd(ctx context.Context) error {
 	if err := os.MkdirAll(dir, 0o711); err != nil {
 		return err
 	}
-	// restrict_oom_score_adj: without CAP_SYS_RESOURCE every sandbox would
-	// fail to start; cgroupfs: the machine has no systemd cgroup manager.
-	config := fmt.Sprintf(`version = 2
-root = %[1]q
-state = %[2]q
-[grpc]
-  address = %[3]q
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = %[4]q
-  restrict_oom_score_adj = true
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        SystemdCgroup = false
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = %[5]q
-    conf_dir = %[6]q
-`, filepath.Join(dir, "root"), filepath.Join(dir, "state"), n.Containerd, images.PauseRef, n.CNIBin, n.CNIConf)
+	config := containerdConfig(dir, n.Containerd, n.CNIBin, n.CNIConf)
 	cfgPath := filepath.Join(dir, "config.toml")
 	if err := os.WriteFile(cfgPath, []byte(config), 0o644); err != nil {
 		return err
@@ -339,30 +301,7 @@ func (n *Node) startKubelet(port, healthzPort int) error {
 	if err := os.MkdirAll(n.KubeletDir, 0o750); err != nil {
 		return err
 	}
-	config := fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
-kind: KubeletConfiguration
-cgroupDriver: cgroupfs
-failSwapOn: false
-failCgroupV1: false
-oomScoreAdj: 0
-containerRuntimeEndpoint: unix://%s
-address: %s
-port: %d
-readOnlyPort: 0
-healthzBindAddress: 127.0.0.1
-healthzPort: %d
-authentication:
-  anonymous: {enabled: false}
-  webhook: {enabled: true}
-  x509: {clientCAFile: %q}
-authorization: {mode: Webhook}
-evictionHard: {memory.available: "1Mi", nodefs.available: "1%%", nodefs.inodesFree: "1%%", imagefs.available: "1%%"}
-imageGCHighThresholdPercent: 100
-imageGCLowThresholdPercent: 99
-resolvConf: /etc/resolv.conf
-nodeStatusUpdateFrequency: 10s
-serializeImagePulls: false
-`, n.Containerd, n.cfg.NodeIP, port, healthzPort, n.pki.path("ca.crt"))
+	config := kubeletConfig(n.Containerd, n.cfg.NodeIP, port, healthzPort, n.pki.path("ca.crt"))
 	if n.cfg.StaticPodPath != "" {
 		config += fmt.Sprintf("staticPodPath: %q\n", n.cfg.StaticPodPath)
 	}
@@ -391,123 +330,3 @@ const hostDevicePluginDir = "/var/lib/kubelet/device-plugins"
 
 // DevicePluginDir is where the kubelet expects device plugin sockets.
 func (n *Node) DevicePluginDir() string { return hostDevicePluginDir }
-
-// cleanDevicePluginDir removes what this node's kubelet and plugins left in
-// the fixed device-plugin dir (the whole /var/lib/kubelet when the node
-// created it).
-func (n *Node) cleanDevicePluginDir() {
-	if n.createdKubeletDir {
-		os.RemoveAll("/var/lib/kubelet")
-		return
-	}
-	entries, _ := os.ReadDir(hostDevicePluginDir)
-	for _, e := range entries {
-		if e.Type()&os.ModeSocket != 0 {
-			os.Remove(filepath.Join(hostDevicePluginDir, e.Name()))
-		}
-	}
-}
-
-// Stop deletes every pod (so the runtime tears down their sandboxes and
-// the CNI releases their addresses), stops all processes, and removes every
-// mount, netns, bridge and file the node created.
-func (n *Node) Stop() error {
-	if n.Client != nil && n.procs != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-		n.deleteAllPods(ctx)
-		cancel()
-	}
-	for i := len(n.procs) - 1; i >= 0; i-- {
-		n.procs[i].stop(15 * time.Second)
-	}
-	n.procs = nil
-	killShims(n.cfg.Root)
-	var errs []string
-	if err := unmountUnder(n.cfg.Root); err != nil {
-		errs = append(errs, err.Error())
-	}
-	for ns := range listNetns() {
-		if !n.netnsBefore[ns] && strings.HasPrefix(ns, "cni-") {
-			exec.Command("ip", "netns", "del", ns).Run()
-		}
-	}
-	removeNodeNetworking(n.cfg.Root)
-	n.cleanDevicePluginDir()
-	for t := range hostTables() {
-		if !n.tablesBefore[t] {
-			exec.Command("nft", append([]string{"delete", "table"}, strings.Fields(t)...)...).Run()
-		}
-	}
-	if err := os.RemoveAll(n.cfg.Root); err != nil {
-		errs = append(errs, err.Error())
-	}
-	if len(errs) > 0 {
-		return fmt.Errorf("cluster: teardown: %s", strings.Join(errs, "; "))
-	}
-	return nil
-}
-
-func (n *Node) deleteAllPods(ctx context.Context) {
-	nss, err := n.Client.CoreV1().Namespaces().List(ctx, metav1.ListOptions{})
-	if err != nil {
-		return
-	}
-	zero := int64(0)
-	for _, ns := range nss.Items {
-		n.Client.CoreV1().Pods(ns.Name).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: &zero}, metav1.ListOptions{})
-	}
-	poll(60*time.Second, "pods gone", func() (bool, error) {
-		pods, err := n.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
-		return err == nil && len(pods.Items) == 0, err
-	})
-}
-
-// killShims stops containerd shims of this node: they run detached from
-// containerd, and would otherwise keep its state dir busy.
-func killShims(root string) {
-	procs, _ := os.ReadDir("/proc")
-	for _, p := range procs {
-		pid, err := strconv.Atoi(p.Name())
-		if err != nil {
-			continue
-		}
-		cmdline, err := os.ReadFile(filepath.Join("/proc", p.Name(), "cmdline"))
-		if err != nil {
-			continue
-		}
-		if strings.Contains(string(cmdline), "containerd-shim") && strings.Contains(string(cmdline), root) {
-			syscall.Kill(pid, syscall.SIGKILL)
-			waitGone(pid, 5*time.Second)
-		}
-	}
-}
-
-// removeNodeNetworking deletes the node's bridge; its leases and config
-// live under root and go with it.
-func removeNodeNetworking(string) {
-	exec.Command("ip", "link", "del", BridgeName).Run()
-}
-
-func listNetns() map[string]bool {
-	out := map[string]bool{}
-	entries, _ := os.ReadDir("/var/run/netns")
-	for _, e := range entries {
-		out[e.Name()] = true
-	}
-	return out
-}
-
-// hostTables lists the host netns' nf_tables tables as "family name".
-func hostTables() map[string]bool {
-	out := map[string]bool{}
-	data, err := exec.Command("nft", "list", "tables").Output()
-	if err != nil {
-		return out
-	}
-	for _, line := range strings.Split(string(data), "\n") {
-		if t, ok := strings.CutPrefix(strings.TrimSpace(line), "table "); ok {
-			out[t] = true
-		}
-	}
-	return out
-}

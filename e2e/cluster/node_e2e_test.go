@@ -17,6 +17,7 @@ import (
 
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/images"
+	"github.com/inpod-dev/inpod/internal/testkit"
 )
 
 func TestE2ENodeRunsAPodAndTearsDownClean(t *testing.T) {
@@ -26,7 +27,7 @@ func TestE2ENodeRunsAPodAndTearsDownClean(t *testing.T) {
 	netnsBefore := netnsNames()
 	tablesBefore, _ := exec.Command("nft", "list", "tables").Output()
 	start := time.Now()
-	node, err := cluster.StartNode(ctx, cluster.NodeConfig{Config: cluster.Config{Root: root}, RepoDir: repoDir(t)})
+	node, err := cluster.StartNode(ctx, cluster.NodeConfig{Config: cluster.Config{Root: root}, RepoDir: testkit.RepoDir(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -49,17 +50,14 @@ func TestE2ENodeRunsAPodAndTearsDownClean(t *testing.T) {
 		t.Fatal(err)
 	}
 	var running *corev1.Pod
-	deadline := time.Now().Add(2 * time.Minute)
-	for running == nil {
+	if err := testkit.Poll(2*time.Minute, "the pod Running", func() (bool, error) {
 		p, err := pods.Get(ctx, "app", metav1.GetOptions{})
 		if err == nil && p.Status.Phase == corev1.PodRunning {
 			running = p
-			break
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("pod not Running: %+v\nkubelet:\n%s", p.Status, node.Logs("kubelet", 40))
-		}
-		time.Sleep(200 * time.Millisecond)
+		return running != nil, nil
+	}); err != nil {
+		t.Fatalf("%v\nkubelet:\n%s", err, node.Logs("kubelet", 40))
 	}
 	t.Logf("pod Running %s after start", time.Since(start).Round(time.Millisecond))
 	ip, err := netip.ParseAddr(running.Status.PodIP)
@@ -120,12 +118,4 @@ func netnsNames() map[string]bool {
 		out[e.Name()] = true
 	}
 	return out
-}
-
-func repoDir(t *testing.T) string {
-	out, err := exec.Command("go", "env", "GOMOD").Output()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return filepath.Dir(strings.TrimSpace(string(out)))
 }

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/zds"
@@ -289,7 +290,7 @@ func TestStandinListenersAreMarkedAndReportOriginalDst(t *testing.T) {
 	if err := dial(pod.Path, ztunnel.PortHBONE); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, func() bool {
+	testkit.Eventually(t, 10*time.Second, "the stand-in to record the HBONE connection with its original destination", func() bool {
 		for _, a := range z.AcceptedConns() {
 			if a.UID == "u" && a.Port == ztunnel.PortHBONE && a.OrigDst == "127.0.0.1:15008" {
 				return true
@@ -307,15 +308,4 @@ func dial(nsPath string, port int) error {
 		}
 		return c.Close()
 	})
-}
-
-func eventually(t *testing.T, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not met in time")
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
