@@ -11,7 +11,6 @@ import (
 	"fmt"
 	"log/slog"
 	"path/filepath"
-	"strings"
 	"sync"
 	"time"
 
@@ -32,6 +31,7 @@ import (
 	"github.com/inpod-dev/inpod/agent/podnetns"
 	"github.com/inpod-dev/inpod/agent/readiness"
 	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/apiaccess"
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/passlist"
@@ -70,12 +70,18 @@ type Config struct {
 	MetricsAddr string
 	Logger      *slog.Logger
 
-	// DaemonSet ("namespace/name") is the agent's own DaemonSet. On
-	// shutdown the agent looks it up: gone or being deleted means inpod is
-	// being removed from the cluster, and the agent removes itself from
-	// the node; present means a restart or an upgrade, and everything
-	// stays. Empty: never remove anything.
-	DaemonSet string
+	// PodName and PodNamespace are the agent's own pod (downward API). At
+	// shutdown the DaemonSet controlling it, by UID, tells an uninstall
+	// from a restart (see uninstallWatch). Empty PodName: never remove
+	// anything. The namespace also holds PluginServiceAccount.
+	PodName, PodNamespace string
+	// AgentSelector selects inpod agent pods of any installation (default
+	// DefaultAgentSelector); one on this node other than the agent's own
+	// keeps an uninstall from touching the node.
+	AgentSelector string
+	// PluginServiceAccount is the ServiceAccount whose token the agent
+	// requests for the plugin's agent-down check (default inpod-cni).
+	PluginServiceAccount string
 
 	// Ready, when set, is used instead of a new aggregate, so the gates can
 	// follow the same signal.
@@ -110,8 +116,17 @@ func New(cfg Config) (*Agent, error) {
 	if cfg.RedirectBackend == "" {
 		cfg.RedirectBackend = "auto"
 	}
-	if ns, name, ok := strings.Cut(cfg.DaemonSet, "/"); cfg.DaemonSet != "" && (!ok || ns == "" || name == "") {
-		return nil, fmt.Errorf("agent: --daemonset %q is not namespace/name", cfg.DaemonSet)
+	if cfg.AgentSelector == "" {
+		cfg.AgentSelector = DefaultAgentSelector
+	}
+	if sel, err := labels.Parse(cfg.AgentSelector); err != nil || sel.Empty() {
+		return nil, fmt.Errorf("agent: --agent-selector %q is not a non-empty label selector: %v", cfg.AgentSelector, err)
+	}
+	if cfg.PodName != "" && cfg.PodNamespace == "" {
+		return nil, errors.New("agent: --pod-name needs --pod-namespace (both from the downward API)")
+	}
+	if cfg.PluginServiceAccount == "" {
+		cfg.PluginServiceAccount = DefaultPluginServiceAccount
 	}
 	log := cfg.Logger
 	if log == nil {
@@ -129,8 +144,8 @@ func New(cfg Config) (*Agent, error) {
 // Run runs the agent until ctx ends. Shutting down for a restart or an
 // upgrade leaves the data path as it is: rules stay in every pod, ztunnel
 // keeps its proxies, the CNI plugin stays installed (enrolled pods fail
-// closed until the agent is back). Shutting down because the agent's
-// DaemonSet is gone removes inpod from the node (see Config.DaemonSet).
+// closed until the agent is back). Shutting down because inpod is being
+// uninstalled removes it from the node (see uninstallWatch).
 func (a *Agent) Run(ctx context.Context) error {
 	cfg := a.cfg
 	ctx, cancel := context.WithCancel(ctx)
@@ -188,7 +203,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	policy := enroll.Policy{ExcludedNamespaces: cfg.ExcludedNamespaces, Label: cfg.EnrollmentLabel}
 	// Where the plugin finds what the agent writes for it.
 	passListPath := filepath.Join(filepath.Dir(cfg.CNISocket), passListDir)
-	apiAccessPath := filepath.Join(cfg.CNIConfDir, apiAccessFile)
+	apiAccessPath := filepath.Join(cfg.CNIConfDir, apiaccess.FileName)
 	passList, err := passlist.Open(passListPath, pods.notEnrolled(policy), a.log)
 	if err != nil {
 		return err
@@ -225,11 +240,12 @@ func (a *Agent) Run(ctx context.Context) error {
 
 	var installer *cniinstall.Installer
 	if cfg.InstallCNI {
-		access := apiAccess{rest: restCfg, path: apiAccessPath, label: cfg.EnrollmentLabel}
-		if _, err := access.write(); err != nil {
-			a.log.Warn("no API access file for the plugin; while the agent is down it cannot tell enrolled pods apart and fails every pod's ADD", "err", err)
+		if cfg.PodNamespace == "" {
+			a.log.Warn("no --pod-namespace, so no token for the plugin; while the agent is down the plugin cannot tell enrolled pods apart and fails every pod's ADD")
 		} else {
-			goRun("api access file", func() error { access.follow(ctx, a.log, time.Minute); return nil })
+			cred := &pluginCredential{tokens: client.CoreV1().ServiceAccounts(cfg.PodNamespace), serviceAccount: cfg.PluginServiceAccount,
+				rest: restCfg, path: apiAccessPath, label: cfg.EnrollmentLabel, log: a.log, observer: observe.NewPluginToken(a.Metrics.Registry)}
+			goRun("plugin credential", func() error { cred.run(ctx); return nil })
 		}
 		cniWasInstalled := false // OnChange calls are sequential
 		inst, err := cniinstall.New(cniinstall.Config{
@@ -281,6 +297,16 @@ func (a *Agent) Run(ctx context.Context) error {
 	}, func(any) {}))
 	podInf.Start(ctx.Done())
 	nsInf.Start(ctx.Done())
+	var uninstall *uninstallWatch
+	if cfg.PodName != "" {
+		sel, _ := labels.Parse(cfg.AgentSelector) // checked by New
+		uninstall = newUninstallWatch(a.log, client, cfg.NodeName, types.NamespacedName{Namespace: cfg.PodNamespace, Name: cfg.PodName},
+			sel, podInf.Core().V1().Pods().Lister())
+		// Open until the shutdown decision is made, past ctx.
+		stopWatch := make(chan struct{})
+		defer close(stopWatch)
+		go uninstall.run(stopWatch)
+	}
 	a.log.Info("waiting for the pod and namespace watches to sync")
 	if !cache.WaitForCacheSync(ctx.Done(), podInf.Core().V1().Pods().Informer().HasSynced, nsInf.Core().V1().Namespaces().Informer().HasSynced) {
 		return ctx.Err()
@@ -288,6 +314,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	// Restore before serving ztunnel: every running enrolled pod's netns is
 	// found and its rules verified, so the first snapshot is complete.
 	a.restore(ctx, pods, probes)
+	if uninstall != nil {
+		uninstall.checkSelf()
+	}
 	a.Ready.Set(readiness.PodsSynced, true, "")
 	goRun("pass list", func() error { return passList.Run(ctx) })
 	go func() {
@@ -337,7 +366,7 @@ func (a *Agent) Run(ctx context.Context) error {
 
 	select {
 	case <-ctx.Done():
-		if !a.removedFromCluster(client) {
+		if uninstall == nil || !uninstall.uninstalling(context.WithoutCancel(ctx)) {
 			a.log.Info("agent stopping; rules, ztunnel's proxies and the CNI plugin stay in place")
 			return nil
 		}
