@@ -184,12 +184,16 @@ func (w *uninstallWatch) uninstalling(ctx context.Context) bool {
 		w.log.Info("cannot tell an uninstall from a restart ("+why+"); leaving inpod in place", "pod", w.self)
 		return false
 	}
-	gone, how := w.ownerGone(ctx, owner)
+	gone, how, successor := w.ownerGone(ctx, owner)
 	if !gone {
 		w.log.Info("the agent's DaemonSet is in place ("+how+"): a restart or an upgrade", "daemonset", owner.Name, "uid", owner.UID)
 		return false
 	}
-	if peer := w.peer(self, owner); peer != "" {
+	peer := successor
+	if peer == "" {
+		peer = w.peer(self, owner)
+	}
+	if peer != "" {
 		w.log.Info("the agent's DaemonSet is gone ("+how+") but another inpod agent serves this node: leaving inpod in place for it",
 			"daemonset", owner.Name, "uid", owner.UID, "other", peer)
 		return false
@@ -200,25 +204,29 @@ func (w *uninstallWatch) uninstalling(ctx context.Context) bool {
 }
 
 // ownerGone reports whether the DaemonSet owner is gone or being deleted,
-// and how that is known.
-func (w *uninstallWatch) ownerGone(ctx context.Context, owner *metav1.OwnerReference) (bool, string) {
+// and how that is known; successor names an inpod DaemonSet that now has
+// its name (deleted and created again: kubectl replace --force).
+func (w *uninstallWatch) ownerGone(ctx context.Context, owner *metav1.OwnerReference) (gone bool, how, successor string) {
 	if w.wasDeleted(owner.UID) {
-		return true, "the watch saw it deleted"
+		return true, "the watch saw it deleted", ""
 	}
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	ds, err := w.client.AppsV1().DaemonSets(w.self.Namespace).Get(ctx, owner.Name, metav1.GetOptions{})
 	switch {
 	case apierrors.IsNotFound(err):
-		return true, "not found"
+		return true, "not found", ""
 	case err != nil:
-		return false, "cannot read it: " + err.Error()
+		return false, "cannot read it: " + err.Error(), ""
 	case ds.UID != owner.UID:
-		return true, "its name belongs to another DaemonSet now"
+		if ds.DeletionTimestamp == nil && w.selector.Matches(labels.Set(ds.Spec.Template.Labels)) {
+			successor = "DaemonSet " + ds.Namespace + "/" + ds.Name + " (created again under the same name)"
+		}
+		return true, "its name belongs to another DaemonSet now", successor
 	case ds.DeletionTimestamp != nil:
-		return true, "being deleted"
+		return true, "being deleted", ""
 	}
-	return false, "read now"
+	return false, "read now", ""
 }
 
 // peer names another inpod agent that serves this node, or returns "".
