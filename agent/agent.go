@@ -15,7 +15,6 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"golang.org/x/sync/errgroup"
@@ -36,6 +35,7 @@ import (
 	"github.com/inpod-dev/inpod/agent/observe"
 	"github.com/inpod-dev/inpod/agent/podnetns"
 	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/apiaccess"
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/passlist"
@@ -75,12 +75,18 @@ type Config struct {
 	MetricsAddr string
 	Logger      *slog.Logger
 
-	// DaemonSet ("namespace/name") is the agent's own DaemonSet. On
-	// shutdown the agent looks it up: gone or being deleted means inpod is
-	// being removed from the cluster, and the agent removes itself from
-	// the node; present means a restart or an upgrade, and everything
-	// stays. Empty: never remove anything.
-	DaemonSet string
+	// PodName and PodNamespace are the agent's own pod (downward API). At
+	// shutdown the DaemonSet controlling it, by UID, tells an uninstall
+	// from a restart (see uninstallWatch). Empty PodName: never remove
+	// anything. The namespace also holds PluginServiceAccount.
+	PodName, PodNamespace string
+	// AgentSelector selects inpod agent pods of any installation (default
+	// DefaultAgentSelector); one on this node other than the agent's own
+	// keeps an uninstall from touching the node.
+	AgentSelector string
+	// PluginServiceAccount is the ServiceAccount whose token the agent
+	// requests for the plugin's agent-down check (default inpod-cni).
+	PluginServiceAccount string
 
 	// Gate is how scheduling follows readiness: a comma list of gates
 	// (see newGates); empty means "deviceplugin", "none" no gate.
@@ -121,8 +127,17 @@ func New(cfg Config) (*Agent, error) {
 	if cfg.RedirectBackend == "" {
 		cfg.RedirectBackend = "auto"
 	}
-	if ns, name, ok := strings.Cut(cfg.DaemonSet, "/"); cfg.DaemonSet != "" && (!ok || ns == "" || name == "") {
-		return nil, fmt.Errorf("agent: --daemonset %q is not namespace/name", cfg.DaemonSet)
+	if cfg.AgentSelector == "" {
+		cfg.AgentSelector = DefaultAgentSelector
+	}
+	if sel, err := labels.Parse(cfg.AgentSelector); err != nil || sel.Empty() {
+		return nil, fmt.Errorf("agent: --agent-selector %q is not a non-empty label selector: %v", cfg.AgentSelector, err)
+	}
+	if cfg.PodName != "" && cfg.PodNamespace == "" {
+		return nil, errors.New("agent: --pod-name needs --pod-namespace (both from the downward API)")
+	}
+	if cfg.PluginServiceAccount == "" {
+		cfg.PluginServiceAccount = DefaultPluginServiceAccount
 	}
 	log := cfg.Logger
 	if log == nil {
@@ -150,8 +165,8 @@ func New(cfg Config) (*Agent, error) {
 // for a restart or an upgrade leaves the data path as it is: rules stay in
 // every pod, ztunnel keeps its proxies, the CNI plugin stays installed
 // (enrolled pods fail closed until the agent is back). Shutting down
-// because the agent's DaemonSet is gone removes inpod from the node (see
-// Config.DaemonSet).
+// because inpod is being uninstalled removes it from the node (see
+// uninstallWatch).
 func (a *Agent) Run(ctx context.Context) error {
 	// Ends what build started in the background (the event broadcaster)
 	// on every return.
@@ -165,7 +180,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err := a.start(ctx, p); err != nil {
 		return err
 	}
-	if !a.removedFromCluster(p.client) {
+	if p.uninstall == nil || !p.uninstall.uninstalling(context.WithoutCancel(ctx)) {
 		a.log.Info("agent stopping; rules, ztunnel's proxies and the CNI plugin stay in place")
 		return nil
 	}
@@ -192,8 +207,13 @@ type pieces struct {
 	cni      *cniserver.Server
 	// installer is nil when Config.InstallCNI is false.
 	installer *cniinstall.Installer
-	access    apiAccess
-	zds       *zds.Server
+	// cred keeps the plugin's API access file; nil without a pod namespace.
+	cred *pluginCredential
+	zds  *zds.Server
+	// uninstall tells an uninstall from a restart at shutdown; nil without
+	// --pod-name. Its watch stays open until stopUninstallWatch closes.
+	uninstall          *uninstallWatch
+	stopUninstallWatch chan struct{}
 	// Where the plugin finds what the agent writes for it.
 	passListPath, apiAccessPath string
 
@@ -209,7 +229,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	cfg := a.cfg
 	p := &pieces{client: a.client,
 		passListPath:  filepath.Join(filepath.Dir(cfg.CNISocket), passListDir),
-		apiAccessPath: filepath.Join(cfg.CNIConfDir, apiAccessFile),
+		apiAccessPath: filepath.Join(cfg.CNIConfDir, apiaccess.FileName),
 	}
 	defer func() {
 		if err != nil {
@@ -260,7 +280,12 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		return nil, err
 	}
 	if cfg.InstallCNI {
-		p.access = apiAccess{rest: a.restCfg, path: p.apiAccessPath, label: cfg.EnrollmentLabel}
+		if cfg.PodNamespace == "" {
+			a.log.Warn("no --pod-namespace, so no token for the plugin; while the agent is down the plugin cannot tell enrolled pods apart and fails every pod's ADD")
+		} else {
+			p.cred = &pluginCredential{tokens: p.client.CoreV1().ServiceAccounts(cfg.PodNamespace), serviceAccount: cfg.PluginServiceAccount,
+				rest: a.restCfg, path: p.apiAccessPath, label: cfg.EnrollmentLabel, log: a.log, observer: observe.NewPluginToken(a.Metrics.Registry)}
+		}
 		if p.installer, err = a.newInstaller(p); err != nil {
 			return nil, err
 		}
@@ -314,6 +339,9 @@ func (a *Agent) newInstaller(p *pieces) (*cniinstall.Installer, error) {
 // close stops the ZDS server (within stopTimeout) and releases what build
 // opened; safe on a partly built p.
 func (p *pieces) close() {
+	if p.stopUninstallWatch != nil {
+		close(p.stopUninstallWatch)
+	}
 	if p.zdsDone != nil {
 		p.stopZDS()
 		select {
@@ -379,10 +407,8 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, fun
 	}
 	run("cni event server", p.cni.Serve)
 	if p.installer != nil {
-		if _, err := p.access.write(); err != nil {
-			a.log.Warn("no API access file for the plugin; while the agent is down it cannot tell enrolled pods apart and fails every pod's ADD", "err", err)
-		} else {
-			run("api access file", func(ctx context.Context) error { p.access.follow(ctx, a.log, time.Minute); return nil })
+		if p.cred != nil {
+			run("plugin credential", func(ctx context.Context) error { p.cred.run(ctx); return nil })
 		}
 		run("cni installer", p.installer.Run)
 	} else {
@@ -391,11 +417,22 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, fun
 
 	p.podInf.Start(ctx.Done())
 	p.nsInf.Start(ctx.Done())
+	if cfg.PodName != "" {
+		sel, _ := labels.Parse(cfg.AgentSelector) // checked by New
+		p.uninstall = newUninstallWatch(a.log, p.client, cfg.NodeName, types.NamespacedName{Namespace: cfg.PodNamespace, Name: cfg.PodName},
+			sel, p.podInf.Core().V1().Pods().Lister())
+		// Open past ctx, until the shutdown decision is made (pieces.close).
+		p.stopUninstallWatch = make(chan struct{})
+		go p.uninstall.run(p.stopUninstallWatch)
+	}
 	a.log.Info("waiting for the pod and namespace watches to sync")
 	if !cache.WaitForCacheSync(ctx.Done(), p.podInf.Core().V1().Pods().Informer().HasSynced, p.nsInf.Core().V1().Namespaces().Informer().HasSynced) {
 		return ctx.Err()
 	}
 	a.restore(ctx, p.pods, p.probes)
+	if p.uninstall != nil {
+		p.uninstall.checkSelf()
+	}
 	a.Ready.Set(readiness.PodsSynced, true, "")
 	run("pass list", p.passList.Run)
 	context.AfterFunc(ctx, p.queue.ShutDown)

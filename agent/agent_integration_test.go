@@ -22,7 +22,6 @@ import (
 
 	"github.com/containernetworking/cni/libcni"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
-	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -311,109 +310,6 @@ func (w *world) annotation(pod *corev1.Pod) string {
 		return "error: " + err.Error()
 	}
 	return p.Annotations[enroll.RedirectionAnnotation]
-}
-
-// createDaemonSet stands for the agent's own DaemonSet.
-func (w *world) createDaemonSet() {
-	w.t.Helper()
-	labels := map[string]string{"app": "inpod-agent"}
-	_, err := w.client.AppsV1().DaemonSets("kube-system").Create(context.Background(), &appsv1.DaemonSet{
-		ObjectMeta: metav1.ObjectMeta{Name: "inpod-agent"},
-		Spec: appsv1.DaemonSetSpec{
-			Selector: &metav1.LabelSelector{MatchLabels: labels},
-			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels},
-				Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "agent", Image: "inpod-agent"}}}},
-		},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		w.t.Fatal(err)
-	}
-	w.cfg.DaemonSet = "kube-system/inpod-agent"
-}
-
-// An agent stopping while its DaemonSet exists is restarting or being
-// upgraded: the plugin, its configuration and every pod's rules stay, so
-// enrolled pods fail closed until it is back.
-func TestIntegrationShutdownWithItsDaemonSetLeavesEverything(t *testing.T) {
-	w := newWorld(t)
-	w.createDaemonSet()
-	stop := w.runAgent()
-	pod, sandbox := w.pod("mesh", "a")
-	if _, err := w.cniAdd(pod, sandbox); err != nil {
-		t.Fatal(err)
-	}
-	if err := stop(); err != nil {
-		t.Fatalf("agent: %v", err)
-	}
-	conf, _ := os.ReadFile(filepath.Join(w.confDir, "10-podnet.conflist"))
-	if !strings.Contains(string(conf), `"inpod-cni"`) {
-		t.Fatal("an upgrade took the plugin out of the CNI configuration")
-	}
-	for _, bin := range []string{"inpod-cni", "inpod-cni-apicheck"} {
-		if _, err := os.Stat(filepath.Join(w.binDir, bin)); err != nil {
-			t.Fatalf("an upgrade removed %s: %v", bin, err)
-		}
-	}
-	if !hasRules(t, sandbox) {
-		t.Fatal("an upgrade took the rules out of a running pod")
-	}
-	if _, err := os.Stat(filepath.Join(filepath.Dir(w.cfg.CNISocket), "not-enrolled", ".alive")); !os.IsNotExist(err) {
-		t.Fatalf("the pass list's heartbeat outlived the agent: %v", err)
-	}
-	// With the agent away, an enrolled pod fails closed.
-	late, lateSandbox := w.pod("mesh", "late")
-	if _, err := w.cniAdd(late, lateSandbox); err == nil {
-		t.Fatal("an enrolled pod started while the agent was away")
-	}
-}
-
-// An agent stopping after its DaemonSet was deleted removes inpod from the
-// node: the CNI configuration as it was, no binaries, no rules in any pod,
-// ztunnel told, no host rules, no pass list.
-func TestIntegrationShutdownAfterItsDaemonSetIsDeletedRemovesInpod(t *testing.T) {
-	w := newWorld(t)
-	original, err := os.ReadFile(filepath.Join(w.confDir, "10-podnet.conflist"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	w.createDaemonSet()
-	stop := w.runAgent()
-	pod, sandbox := w.pod("mesh", "a")
-	if _, err := w.cniAdd(pod, sandbox); err != nil {
-		t.Fatal(err)
-	}
-	if !strings.Contains(w.node.Exec(t, "nft", "list", "tables"), "inpod-host") {
-		t.Fatal("no host probe table to remove")
-	}
-	if err := w.client.AppsV1().DaemonSets("kube-system").Delete(context.Background(), "inpod-agent", metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if err := stop(); err != nil {
-		t.Fatalf("agent: %v", err)
-	}
-	if conf, _ := os.ReadFile(filepath.Join(w.confDir, "10-podnet.conflist")); string(conf) != string(original) {
-		t.Fatalf("CNI configuration after removal:\n%s\nwant the original:\n%s", conf, original)
-	}
-	for _, bin := range []string{"inpod-cni", "inpod-cni-apicheck"} {
-		if _, err := os.Stat(filepath.Join(w.binDir, bin)); !os.IsNotExist(err) {
-			t.Fatalf("%s left on the node: %v", bin, err)
-		}
-	}
-	if hasRules(t, sandbox) {
-		t.Fatal("a pod kept its rules after inpod was removed")
-	}
-	if _, ok := w.standin.Workloads()[string(pod.UID)]; ok {
-		t.Fatal("ztunnel was not told the pod left")
-	}
-	if got := w.annotation(pod); got != "" {
-		t.Fatalf("the pod kept its redirection annotation %q", got)
-	}
-	if strings.Contains(w.node.Exec(t, "nft", "list", "tables"), "inpod-host") {
-		t.Fatal("the host probe table was left")
-	}
-	if _, err := os.Stat(filepath.Join(filepath.Dir(w.cfg.CNISocket), "not-enrolled")); !os.IsNotExist(err) {
-		t.Fatalf("the pass list was left: %v", err)
-	}
 }
 
 // Unless told otherwise, the gate advertises one device per pod the Node

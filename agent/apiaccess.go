@@ -1,95 +1,157 @@
 package agent
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
-	"path/filepath"
 	"time"
 
+	authv1 "k8s.io/api/authentication/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
 
-	"github.com/inpod-dev/inpod/internal/atomicfile"
-	"github.com/inpod-dev/inpod/plugin/apicheck"
+	"github.com/inpod-dev/inpod/apiaccess"
 )
 
-// apiAccessFile lives in the CNI conf dir, which survives a reboot, so pods
-// that are not enrolled can start before the agent does. It has no CNI
-// extension (.conf, .conflist, .json): runtimes would try to load it as a
-// network configuration.
-const apiAccessFile = "inpod-api-access"
+// DefaultPluginServiceAccount is the ServiceAccount, in the agent's
+// namespace, whose token the plugin's agent-down check uses.
+const DefaultPluginServiceAccount = "inpod-cni"
 
-// apiAccess keeps the file that the plugin's agent-down check
-// (inpod-cni-apicheck) reads in step with the agent's own credentials: the
-// API server, its CA and the agent's token, which may only read pods and
-// namespaces. The file is 0600 and never read by runtimes (not a CNI
-// extension).
-type apiAccess struct {
-	rest *rest.Config
-	path string
-	// label is the agent's enrollment label, which the check applies.
-	label string
+// Token lifetime and renewal. The check runs only while the agent is down,
+// so the token must outlive the agent by as long as an agent can reasonably
+// be away (a crash loop, a node drained overnight): a day. The agent renews
+// it every hour, so a token left behind by a dead agent still has about 23
+// hours. Each is a read-only credential for pods and namespaces in a 0600
+// file on the node; the API server caps the lifetime if its
+// --service-account-max-token-expiration is lower, and renewal then follows
+// a quarter of what was granted.
+const (
+	pluginTokenLifetime = 24 * time.Hour
+	pluginTokenRenewal  = time.Hour
+	// After a failed request: retry soon, then back off.
+	pluginTokenRetryMin = time.Second
+	pluginTokenRetryMax = 2 * time.Minute
+)
+
+// tokenRequester is the TokenRequest API of one namespace's ServiceAccounts
+// (client.CoreV1().ServiceAccounts(ns)).
+type tokenRequester interface {
+	CreateToken(ctx context.Context, serviceAccount string, req *authv1.TokenRequest, opts metav1.CreateOptions) (*authv1.TokenRequest, error)
 }
 
-// write brings the file up to date, writing only when it changed.
-func (w apiAccess) write() (changed bool, err error) {
-	token := w.rest.BearerToken
-	// The file, when there is one, is the current token: the kubelet
-	// rotates projected service-account tokens in place.
-	if w.rest.BearerTokenFile != "" {
-		data, err := os.ReadFile(w.rest.BearerTokenFile)
-		if err != nil {
-			return false, err
-		}
-		token = string(bytes.TrimSpace(data))
-	}
-	if token == "" {
-		return false, errors.New("the agent authenticates without a bearer token")
-	}
-	ca := w.rest.CAData
-	if len(ca) == 0 && w.rest.CAFile != "" {
-		data, err := os.ReadFile(w.rest.CAFile)
-		if err != nil {
-			return false, err
-		}
-		ca = data
-	}
-	data, err := json.Marshal(apicheck.Access{Server: w.rest.Host, CAData: ca, Token: token, EnrollmentLabel: w.label})
-	if err != nil {
-		return false, err
-	}
-	if have, err := os.ReadFile(w.path); err == nil && bytes.Equal(have, data) {
-		return false, nil
-	}
-	if err := os.MkdirAll(filepath.Dir(w.path), 0o755); err != nil {
-		return false, err
-	}
-	if err := atomicfile.Write(w.path, data, 0o600); err != nil {
-		return false, err
-	}
-	return true, nil
+// credentialObserver counts what happens to the plugin's token.
+type credentialObserver interface {
+	PluginTokenRenewed(expires time.Time)
+	PluginTokenRenewalFailed()
 }
 
-// follow rewrites the file every interval when the token (or CA) changed,
-// so the agent-down check never holds an expired token.
-func (w apiAccess) follow(ctx context.Context, log *slog.Logger, every time.Duration) {
-	tick := time.NewTicker(every)
-	defer tick.Stop()
+// pluginCredential keeps the API access file of the plugin's agent-down
+// check (inpod-cni-apicheck) supplied with a token of the plugin's own
+// ServiceAccount, requested through the TokenRequest API. Unlike the
+// agent's projected token it is bound to no pod, so it stays valid when the
+// agent's pod is deleted (every rolling update), and it carries only the
+// plugin's rights (get pods and namespaces), not the agent's.
+type pluginCredential struct {
+	tokens         tokenRequester
+	serviceAccount string // in the namespace tokens serves
+	// rest gives the API server's address and CA, as the agent reaches it.
+	rest     *rest.Config
+	path     string
+	label    string // the agent's enrollment label, which the check applies
+	log      *slog.Logger
+	observer credentialObserver
+	now      func() time.Time
+	// Zero: the constants above (tests shorten them).
+	lifetime, renewal, retryMin, retryMax time.Duration
+}
+
+// run renews the token until ctx ends. A failed request never removes or
+// spoils the file: the token in it stays usable until it expires, which is
+// exactly what the check needs while the agent is away or the API server is
+// unreachable. Failures are logged (an error once the file's token has
+// expired, since from then on every ADD on the node fails while the agent is
+// down) and counted; they retry with backoff.
+func (c *pluginCredential) run(ctx context.Context) {
+	c.defaults()
+	retry := c.retryMin
 	for {
+		wait := c.renewal
+		expires, err := c.renew(ctx)
+		switch {
+		case err == nil:
+			retry = c.retryMin
+			if lifetime := expires.Sub(c.now()); lifetime/4 < wait {
+				wait = lifetime / 4
+			}
+			c.observer.PluginTokenRenewed(expires)
+			c.log.Debug("renewed the plugin's token", "serviceAccount", c.serviceAccount, "expires", expires)
+		case ctx.Err() != nil:
+			return
+		default:
+			c.observer.PluginTokenRenewalFailed()
+			wait, retry = retry, min(2*retry, c.retryMax)
+			c.logFailure(err)
+		}
 		select {
 		case <-ctx.Done():
 			return
-		case <-tick.C:
-			changed, err := w.write()
-			switch {
-			case err != nil:
-				log.Warn("could not refresh the plugin's API access file; its agent-down check may hold an expired token", "err", err)
-			case changed:
-				log.Info("refreshed the plugin's API access file (rotated credentials)", "file", w.path)
-			}
+		case <-time.After(wait):
 		}
 	}
+}
+
+func (c *pluginCredential) defaults() {
+	if c.now == nil {
+		c.now = time.Now
+	}
+	for _, d := range []struct {
+		v   *time.Duration
+		def time.Duration
+	}{{&c.lifetime, pluginTokenLifetime}, {&c.renewal, pluginTokenRenewal}, {&c.retryMin, pluginTokenRetryMin}, {&c.retryMax, pluginTokenRetryMax}} {
+		if *d.v == 0 {
+			*d.v = d.def
+		}
+	}
+}
+
+func (c *pluginCredential) logFailure(err error) {
+	old, rerr := apiaccess.Read(c.path)
+	switch {
+	case rerr == nil && (old.Expires.IsZero() || c.now().Before(old.Expires)):
+		c.log.Warn("could not renew the plugin's token; the access file keeps the current one", "serviceAccount", c.serviceAccount,
+			"validUntil", old.Expires, "err", err)
+	default:
+		c.log.Error("could not get a token for the plugin's agent-down check, and the access file holds no valid one: while the agent is down, every pod's ADD on this node fails",
+			"serviceAccount", c.serviceAccount, "file", c.path, "err", err)
+	}
+}
+
+// renew requests a new token and writes the file with it.
+func (c *pluginCredential) renew(ctx context.Context) (expires time.Time, err error) {
+	ca := c.rest.CAData
+	if len(ca) == 0 && c.rest.CAFile != "" {
+		// Re-read each time: a projected CA bundle can change.
+		if ca, err = os.ReadFile(c.rest.CAFile); err != nil {
+			return time.Time{}, err
+		}
+	}
+	seconds := int64(c.lifetime / time.Second)
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	// No BoundObjectRef: a token bound to the agent's pod would die with it.
+	tr, err := c.tokens.CreateToken(rctx, c.serviceAccount, &authv1.TokenRequest{
+		Spec: authv1.TokenRequestSpec{ExpirationSeconds: &seconds},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		return time.Time{}, fmt.Errorf("token request for ServiceAccount %s: %w", c.serviceAccount, err)
+	}
+	if tr.Status.Token == "" {
+		return time.Time{}, errors.New("token request: the API server returned no token")
+	}
+	expires = tr.Status.ExpirationTimestamp.Time
+	_, err = apiaccess.Write(c.path, &apiaccess.Access{Server: c.rest.Host, CAData: ca, Token: tr.Status.Token,
+		Expires: expires.UTC(), EnrollmentLabel: c.label})
+	return expires, err
 }

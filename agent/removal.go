@@ -3,51 +3,263 @@ package agent
 import (
 	"context"
 	"errors"
+	"fmt"
+	"log/slog"
 	"os"
-	"strings"
+	"sync"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	appslisters "k8s.io/client-go/listers/apps/v1"
+	listersv1 "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
 )
 
 // removalTimeout bounds removing inpod from the node at shutdown; keep the
 // DaemonSet's terminationGracePeriodSeconds above it.
 const removalTimeout = 20 * time.Second
 
-// removedFromCluster tells an uninstall from a restart or an upgrade: the
-// agent's DaemonSet is gone, or being deleted. When it cannot tell (no
-// DaemonSet configured, API server unreachable) it answers no: leaving
-// inpod in place fails closed, removing it by mistake would let enrolled
-// pods start unredirected.
-func (a *Agent) removedFromCluster(client kubernetes.Interface) bool {
-	if a.cfg.DaemonSet == "" {
+// DefaultAgentSelector selects the pods of inpod agents, of any
+// installation: a pod it selects on this node, other than the agent's own,
+// is another agent that serves (or is about to serve) the node.
+const DefaultAgentSelector = "app.kubernetes.io/name=inpod,app.kubernetes.io/component=agent"
+
+// uninstallWatch gathers, while the agent runs, the evidence that tells an
+// uninstall from a restart, an upgrade or a hand-over to another
+// DaemonSet. Nothing here depends on a name that can be mistyped or
+// reused: the agent's own pod (--pod-name, from the downward API) names its
+// controlling DaemonSet by UID.
+//
+// The owner's deletion is learned from a watch on the DaemonSets of the
+// agent's namespace, kept open while the agent runs: helm deletes the
+// DaemonSet and then, in the same operation, the RBAC that lets the agent
+// read it, and the kubelet's SIGTERM can come after that. An established
+// watch keeps delivering events when the binding goes (authorization is
+// checked when it is opened); a read made at SIGTERM would get 403. The
+// direct read at shutdown is the fallback for when the watch has not seen
+// the deletion.
+type uninstallWatch struct {
+	log      *slog.Logger
+	client   kubernetes.Interface
+	node     string
+	self     types.NamespacedName
+	selector labels.Selector
+	pods     listersv1.PodLister // this node's pods, from the agent's pod watch
+
+	daemonSets cache.SharedIndexInformer
+	dsLister   appslisters.DaemonSetLister
+
+	mu sync.Mutex
+	// deleted holds the UIDs of DaemonSets the watch saw deleted or being
+	// deleted.
+	deleted map[types.UID]bool
+	// lastSelf is the agent's pod as last seen, for when it has already
+	// left the cache at shutdown (a forced deletion).
+	lastSelf *corev1.Pod
+}
+
+func newUninstallWatch(log *slog.Logger, client kubernetes.Interface, node string, self types.NamespacedName, selector labels.Selector, pods listersv1.PodLister) *uninstallWatch {
+	f := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(self.Namespace))
+	ds := f.Apps().V1().DaemonSets()
+	w := &uninstallWatch{log: log, client: client, node: node, self: self, selector: selector, pods: pods,
+		daemonSets: ds.Informer(), dsLister: ds.Lister(), deleted: map[types.UID]bool{}}
+	seen := func(obj any) {
+		if d, ok := obj.(*appsv1.DaemonSet); ok && d.DeletionTimestamp != nil {
+			w.markDeleted(d.UID)
+		}
+	}
+	w.daemonSets.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    seen,
+		UpdateFunc: func(_, obj any) { seen(obj) },
+		DeleteFunc: func(obj any) {
+			if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = d.Obj
+			}
+			if d, ok := obj.(*appsv1.DaemonSet); ok {
+				w.markDeleted(d.UID)
+			}
+		},
+	})
+	return w
+}
+
+func (w *uninstallWatch) markDeleted(uid types.UID) {
+	w.mu.Lock()
+	w.deleted[uid] = true
+	w.mu.Unlock()
+}
+
+func (w *uninstallWatch) wasDeleted(uid types.UID) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.deleted[uid]
+}
+
+// run keeps the DaemonSet watch open until stop is closed: it must outlive
+// the agent's context, so that a deletion in flight at SIGTERM still
+// arrives. It does not wait for the watch to sync: without the RBAC to read
+// DaemonSets the agent still runs, and simply never removes anything.
+func (w *uninstallWatch) run(stop <-chan struct{}) { w.daemonSets.Run(stop) }
+
+// checkSelf says at start whether uninstall can be detected, so a wrong
+// --pod-name or --agent-selector shows in the log when the agent starts,
+// not at an uninstall.
+func (w *uninstallWatch) checkSelf() {
+	self, err := w.pods.Pods(w.self.Namespace).Get(w.self.Name)
+	if err != nil {
+		w.log.Warn("the agent's own pod is not among this node's pods: it will never remove inpod from the node at shutdown",
+			"pod", w.self, "err", err)
+		return
+	}
+	w.remember(self)
+	if _, why := w.ownerOf(self); why != "" {
+		w.log.Warn("the agent will never remove inpod from the node at shutdown: "+why, "pod", w.self)
+	}
+}
+
+func (w *uninstallWatch) remember(p *corev1.Pod) {
+	w.mu.Lock()
+	w.lastSelf = p
+	w.mu.Unlock()
+}
+
+// ownerOf is the DaemonSet that controls the agent's pod, or why there is
+// none to judge by.
+func (w *uninstallWatch) ownerOf(self *corev1.Pod) (*metav1.OwnerReference, string) {
+	if self.Spec.NodeName != w.node {
+		return nil, fmt.Sprintf("the pod named by --pod-name runs on node %q, not this one", self.Spec.NodeName)
+	}
+	if !w.selector.Matches(labels.Set(self.Labels)) {
+		// Other agents are recognised by the same selector; if it does not
+		// select this agent, it would not select them either.
+		return nil, fmt.Sprintf("the agent's own pod does not match --agent-selector %q", w.selector)
+	}
+	ref := metav1.GetControllerOf(self)
+	if ref == nil || ref.Kind != "DaemonSet" || ref.APIVersion != appsv1.SchemeGroupVersion.String() {
+		return nil, "the agent's pod is not controlled by a DaemonSet"
+	}
+	return ref, ""
+}
+
+// uninstalling decides, at shutdown, whether inpod is being removed from
+// the cluster: only on unambiguous evidence (invariant 5). It answers yes
+// only when
+//   - the DaemonSet that controls the agent's own pod, identified by UID, is
+//     gone or being deleted (seen by the watch, or read now: not found,
+//     being deleted, or its name now belongs to another object), and
+//   - no other inpod agent serves this node: no other pod on this node that
+//     the agent selector selects, is not terminating and is controlled by a
+//     DaemonSet not known to be deleted; and no other live DaemonSet in the
+//     agent's namespace whose pods the selector selects (its pod may not
+//     have been created on this node yet: a rename creates the new
+//     DaemonSet just before deleting the old).
+//
+// Anything unknown (no --pod-name, the own pod never seen, a read refused)
+// answers no: leaving inpod in place fails closed, removing it by mistake
+// lets enrolled pods run unredirected.
+func (w *uninstallWatch) uninstalling(ctx context.Context) bool {
+	self, err := w.pods.Pods(w.self.Namespace).Get(w.self.Name)
+	if err != nil {
+		w.mu.Lock()
+		self = w.lastSelf
+		w.mu.Unlock()
+	}
+	if self == nil {
+		w.log.Info("cannot tell an uninstall from a restart (the agent's pod was never seen); leaving inpod in place", "pod", w.self)
 		return false
 	}
-	ns, name, _ := strings.Cut(a.cfg.DaemonSet, "/")
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	owner, why := w.ownerOf(self)
+	if owner == nil {
+		w.log.Info("cannot tell an uninstall from a restart ("+why+"); leaving inpod in place", "pod", w.self)
+		return false
+	}
+	gone, how, successor := w.ownerGone(ctx, owner)
+	if !gone {
+		w.log.Info("the agent's DaemonSet is in place ("+how+"): a restart or an upgrade", "daemonset", owner.Name, "uid", owner.UID)
+		return false
+	}
+	peer := successor
+	if peer == "" {
+		peer = w.peer(self, owner)
+	}
+	if peer != "" {
+		w.log.Info("the agent's DaemonSet is gone ("+how+") but another inpod agent serves this node: leaving inpod in place for it",
+			"daemonset", owner.Name, "uid", owner.UID, "other", peer)
+		return false
+	}
+	w.log.Info("the agent's DaemonSet is gone ("+how+") and no other inpod agent serves this node: removing inpod from this node",
+		"daemonset", owner.Name, "uid", owner.UID)
+	return true
+}
+
+// ownerGone reports whether the DaemonSet owner is gone or being deleted,
+// and how that is known; successor names an inpod DaemonSet that now has
+// its name (deleted and created again: kubectl replace --force).
+func (w *uninstallWatch) ownerGone(ctx context.Context, owner *metav1.OwnerReference) (gone bool, how, successor string) {
+	if w.wasDeleted(owner.UID) {
+		return true, "the watch saw it deleted", ""
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	ds, err := client.AppsV1().DaemonSets(ns).Get(ctx, name, metav1.GetOptions{})
+	ds, err := w.client.AppsV1().DaemonSets(w.self.Namespace).Get(ctx, owner.Name, metav1.GetOptions{})
 	switch {
 	case apierrors.IsNotFound(err):
-		a.log.Info("the agent's DaemonSet is gone: removing inpod from this node", "daemonset", a.cfg.DaemonSet)
-		return true
+		return true, "not found", ""
 	case err != nil:
-		a.log.Warn("cannot tell an uninstall from a restart; leaving inpod in place", "daemonset", a.cfg.DaemonSet, "err", err)
-		return false
+		return false, "cannot read it: " + err.Error(), ""
+	case ds.UID != owner.UID:
+		if ds.DeletionTimestamp == nil && w.selector.Matches(labels.Set(ds.Spec.Template.Labels)) {
+			successor = "DaemonSet " + ds.Namespace + "/" + ds.Name + " (created again under the same name)"
+		}
+		return true, "its name belongs to another DaemonSet now", successor
 	case ds.DeletionTimestamp != nil:
-		a.log.Info("the agent's DaemonSet is being deleted: removing inpod from this node", "daemonset", a.cfg.DaemonSet)
-		return true
+		return true, "being deleted", ""
 	}
-	return false
+	return false, "read now", ""
+}
+
+// peer names another inpod agent that serves this node, or returns "".
+func (w *uninstallWatch) peer(self *corev1.Pod, owner *metav1.OwnerReference) string {
+	pods, _ := w.pods.List(w.selector)
+	for _, p := range pods {
+		if p.UID == self.UID || p.Spec.NodeName != w.node || p.DeletionTimestamp != nil ||
+			p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
+			continue
+		}
+		ref := metav1.GetControllerOf(p)
+		if ref == nil || ref.Kind != "DaemonSet" || ref.UID == owner.UID || w.wasDeleted(ref.UID) {
+			continue
+		}
+		return "pod " + p.Namespace + "/" + p.Name + " of DaemonSet " + ref.Name
+	}
+	// The watch's view; empty when it never synced, which only makes the
+	// pod check above the one that counts.
+	daemonSets, _ := w.dsLister.DaemonSets(w.self.Namespace).List(labels.Everything())
+	for _, d := range daemonSets {
+		if d.UID == owner.UID || d.DeletionTimestamp != nil || w.wasDeleted(d.UID) {
+			continue
+		}
+		if w.selector.Matches(labels.Set(d.Spec.Template.Labels)) {
+			return "DaemonSet " + d.Namespace + "/" + d.Name
+		}
+	}
+	return ""
 }
 
 // removeFromNode undoes everything the agent did on the node, in the order
 // that keeps pods safe: first the plugin leaves the CNI configuration (new
 // pods start without inpod), then every enrolled pod loses its rules and
 // ztunnel is told, then the node-wide pieces go. Callers have stopped the
-// CNI server, the installer's watch and the reconciler.
+// CNI server, the installer's watch and the reconciler. Nothing before the
+// annotations needs the API server, so a removal whose RBAC is already gone
+// still clears the node.
 func (a *Agent) removeFromNode(p *pieces) error {
 	ctx, cancel := context.WithTimeout(context.Background(), removalTimeout)
 	defer cancel()
@@ -63,15 +275,16 @@ func (a *Agent) removeFromNode(p *pieces) error {
 	if err := p.pipeline.UnenrollAll(ctx); err != nil {
 		errs = append(errs, err)
 	}
-	// The writer's loop has stopped with the agent; the pods' redirection
-	// annotations are removed here.
-	if err := p.annotations.Flush(ctx); err != nil {
-		errs = append(errs, err)
-	}
 	if err := p.probes.Uninstall(); err != nil {
 		errs = append(errs, err)
 	}
 	if err := os.RemoveAll(p.passListPath); err != nil {
+		errs = append(errs, err)
+	}
+	// Last, as the only step that needs the API server: the writer's loop
+	// has stopped with the agent, the pods' redirection annotations are
+	// removed here.
+	if err := p.annotations.Flush(ctx); err != nil {
 		errs = append(errs, err)
 	}
 	if err := errors.Join(errs...); err != nil {

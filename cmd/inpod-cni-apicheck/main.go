@@ -11,13 +11,14 @@ import (
 	"os"
 	"time"
 
+	"github.com/inpod-dev/inpod/apiaccess"
 	"github.com/inpod-dev/inpod/internal/envflag"
 	"github.com/inpod-dev/inpod/plugin/apicheck"
 )
 
 func main() {
 	fs := flag.NewFlagSet("inpod-cni-apicheck", flag.ContinueOnError)
-	access := fs.String("access", "/etc/cni/net.d/inpod-api-access", "the API access file the agent writes")
+	access := fs.String("access", "/etc/cni/net.d/"+apiaccess.FileName, "the API access file the agent writes")
 	namespace := fs.String("namespace", "", "the pod's namespace (required)")
 	name := fs.String("name", "", "the pod's name (required)")
 	timeout := fs.Duration("timeout", 5*time.Second, "bound on the whole check")
@@ -34,7 +35,7 @@ func main() {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
 	defer cancel()
-	a, err := apicheck.ReadAccess(*access)
+	a, err := apiaccess.Read(*access)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "inpod-cni-apicheck:", err)
 		os.Exit(1)

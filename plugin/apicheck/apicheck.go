@@ -24,50 +24,19 @@ import (
 	"io"
 	"net/http"
 	"net/url"
-	"os"
 	"strings"
 	"time"
+
+	"github.com/inpod-dev/inpod/apiaccess"
 )
 
 // Istio's enrollment label and values; the agent may name another label
-// (Access.EnrollmentLabel), the values stay Istio's.
+// (apiaccess.Access.EnrollmentLabel), the values stay Istio's.
 const (
 	DataplaneModeLabel = "istio.io/dataplane-mode"
 	DataplaneAmbient   = "ambient"
 	DataplaneNone      = "none"
 )
-
-// Access is the file the agent writes for the check: where the API server is
-// and how to authenticate, with a token that may only read pods and
-// namespaces. It is JSON rather than a kubeconfig so the check needs neither
-// client-go nor a YAML parser.
-type Access struct {
-	Server string `json:"server"`
-	CAData []byte `json:"caData"`
-	Token  string `json:"token"`
-	// EnrollmentLabel is the agent's --enrollment-label (empty: Istio's).
-	EnrollmentLabel string `json:"enrollmentLabel,omitempty"`
-}
-
-// ReadAccess reads and validates an access file.
-func ReadAccess(path string) (*Access, error) {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return nil, err
-	}
-	var a Access
-	if err := json.Unmarshal(data, &a); err != nil {
-		return nil, fmt.Errorf("%s: %v", path, err)
-	}
-	u, err := url.Parse(a.Server)
-	if err != nil || u.Scheme != "https" || u.Host == "" {
-		return nil, fmt.Errorf("%s: field \"server\" is %q, want an https URL", path, a.Server)
-	}
-	if a.Token == "" {
-		return nil, fmt.Errorf("%s: field \"token\" is empty", path)
-	}
-	return &a, nil
-}
 
 // Verdict is the answer.
 type Verdict struct {
@@ -79,7 +48,7 @@ type Verdict struct {
 // Decide applies the agent's rules to the pod's and its namespace's labels:
 // the pod's own label wins, "none" opts out, otherwise the namespace's label
 // decides.
-func Decide(ctx context.Context, a *Access, namespace, name string) (Verdict, error) {
+func Decide(ctx context.Context, a *apiaccess.Access, namespace, name string) (Verdict, error) {
 	c, err := newClient(a)
 	if err != nil {
 		return Verdict{}, err
@@ -90,7 +59,7 @@ func Decide(ctx context.Context, a *Access, namespace, name string) (Verdict, er
 	}
 	podLabels, err := c.labels(ctx, "/api/v1/namespaces/"+url.PathEscape(namespace)+"/pods/"+url.PathEscape(name))
 	if err != nil {
-		return Verdict{}, err
+		return Verdict{}, explain(err, a, time.Now())
 	}
 	switch podLabels[label] {
 	case DataplaneAmbient:
@@ -100,12 +69,33 @@ func Decide(ctx context.Context, a *Access, namespace, name string) (Verdict, er
 	}
 	nsLabels, err := c.labels(ctx, "/api/v1/namespaces/"+url.PathEscape(namespace))
 	if err != nil {
-		return Verdict{}, err
+		return Verdict{}, explain(err, a, time.Now())
 	}
 	if nsLabels[label] == DataplaneAmbient {
 		return Verdict{Enrolled: true, Reason: "namespace label " + label + "=" + DataplaneAmbient}, nil
 	}
 	return Verdict{}, nil
+}
+
+// explain adds what the access file knows to a refusal: a token past its
+// expiry means the agent has not renewed it, which is the thing to fix.
+func explain(err error, a *apiaccess.Access, now time.Time) error {
+	var refused *statusError
+	if errors.As(err, &refused) && refused.code == http.StatusUnauthorized && !a.Expires.IsZero() && now.After(a.Expires) {
+		return fmt.Errorf("%w (the access file's token expired at %s: the inpod agent has not renewed it since)", err, a.Expires.UTC().Format(time.RFC3339))
+	}
+	return err
+}
+
+// statusError is an answer of the API server other than 200.
+type statusError struct {
+	path    string
+	code    int
+	message string
+}
+
+func (e *statusError) Error() string {
+	return fmt.Sprintf("API server: GET %s: %d: %s", e.path, e.code, e.message)
 }
 
 type client struct {
@@ -114,7 +104,7 @@ type client struct {
 	token  string
 }
 
-func newClient(a *Access) (*client, error) {
+func newClient(a *apiaccess.Access) (*client, error) {
 	pool := x509.NewCertPool()
 	if len(a.CAData) > 0 && !pool.AppendCertsFromPEM(a.CAData) {
 		return nil, errors.New("access file: field \"caData\" holds no PEM certificate")
@@ -157,7 +147,7 @@ func (c *client) labels(ctx context.Context, path string) (map[string]string, er
 		if status.Message == "" {
 			status.Message = http.StatusText(resp.StatusCode)
 		}
-		return nil, fmt.Errorf("API server: GET %s: %d: %s", path, resp.StatusCode, status.Message)
+		return nil, &statusError{path: path, code: resp.StatusCode, message: status.Message}
 	}
 	var obj struct {
 		Metadata struct {

@@ -17,6 +17,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/inpod-dev/inpod/apiaccess"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/plugin/apicheck"
 	"github.com/inpod-dev/inpod/plugin/plugintest"
@@ -63,8 +64,8 @@ func TestIntegrationAPICheckWithTheRealAPIServer(t *testing.T) {
 	}
 	ca := cp.Rest.TLSClientConfig.CAData
 	accessFile := func(tok string) string {
-		path := filepath.Join(t.TempDir(), "inpod-api-access")
-		data, _ := json.Marshal(apicheck.Access{Server: cp.Server(), CAData: ca, Token: tok})
+		path := filepath.Join(t.TempDir(), apiaccess.FileName)
+		data, _ := json.Marshal(apiaccess.Access{Server: cp.Server(), CAData: ca, Token: tok})
 		os.WriteFile(path, data, 0o600)
 		return path
 	}

@@ -2,16 +2,16 @@ package apicheck_test
 
 import (
 	"context"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/inpod-dev/inpod/apiaccess"
 	"github.com/inpod-dev/inpod/plugin/apicheck"
 	"github.com/inpod-dev/inpod/plugin/apicheck/apichecktest"
 )
 
-func fakeAPI(t *testing.T, pods, namespaces map[string]map[string]string) *apicheck.Access {
+func fakeAPI(t *testing.T, pods, namespaces map[string]map[string]string) *apiaccess.Access {
 	return apichecktest.Serve(t, nil, pods, namespaces)
 }
 
@@ -93,21 +93,18 @@ func TestDecideErrorsInsteadOfGuessing(t *testing.T) {
 	}
 }
 
-func TestReadAccessNamesTheBadField(t *testing.T) {
-	dir := t.TempDir()
-	cases := map[string]string{
-		`{"server":"http://10.0.0.1","token":"t"}`: `"server"`,
-		`{"server":"https://10.0.0.1"}`:            `"token"`,
-		`{"server":`:                               "access.json",
+// A rejected token that the access file says has expired names the cause:
+// the agent stopped renewing it.
+func TestDecideExplainsAnExpiredToken(t *testing.T) {
+	a := fakeAPI(t, map[string]map[string]string{"ns/app": nil}, map[string]map[string]string{"ns": nil})
+	a.Token = "stale"
+	a.Expires = time.Now().Add(-time.Hour)
+	if _, err := apicheck.Decide(context.Background(), a, "ns", "app"); err == nil || !strings.Contains(err.Error(), "401") || !strings.Contains(err.Error(), "expired") {
+		t.Errorf("expired token: %v", err)
 	}
-	for content, want := range cases {
-		path := filepath.Join(dir, "access.json")
-		os.WriteFile(path, []byte(content), 0o600)
-		if _, err := apicheck.ReadAccess(path); err == nil || !strings.Contains(err.Error(), want) {
-			t.Errorf("ReadAccess(%s) = %v, want an error containing %s", content, err, want)
-		}
-	}
-	if _, err := apicheck.ReadAccess(filepath.Join(dir, "missing.json")); err == nil {
-		t.Error("missing access file accepted")
+	// Still asked: the node's clock may be wrong, the API server decides.
+	a.Token = "test-token"
+	if _, err := apicheck.Decide(context.Background(), a, "ns", "app"); err != nil {
+		t.Errorf("a token the API server accepts, past its expiry by the node's clock: %v", err)
 	}
 }

@@ -11,7 +11,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/inpod-dev/inpod/plugin/apicheck"
+	"github.com/inpod-dev/inpod/apiaccess"
 )
 
 // Token is the only bearer token the fake accepts.
@@ -22,7 +22,7 @@ const Token = "test-token"
 // 404 with a Status for anything else and 401 without Token. ln is where to
 // listen (nil: a loopback port of the caller's netns). The server stops
 // with the test.
-func Serve(t testing.TB, ln net.Listener, pods, namespaces map[string]map[string]string) *apicheck.Access {
+func Serve(t testing.TB, ln net.Listener, pods, namespaces map[string]map[string]string) *apiaccess.Access {
 	t.Helper()
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Header.Get("Authorization") != "Bearer "+Token {
@@ -53,5 +53,5 @@ func Serve(t testing.TB, ln net.Listener, pods, namespaces map[string]map[string
 	srv.StartTLS()
 	t.Cleanup(srv.Close)
 	ca := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw})
-	return &apicheck.Access{Server: srv.URL, CAData: ca, Token: Token}
+	return &apiaccess.Access{Server: srv.URL, CAData: ca, Token: Token}
 }
