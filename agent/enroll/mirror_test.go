@@ -2,68 +2,18 @@ package enroll_test
 
 import (
 	"context"
-	"io"
-	"log/slog"
-	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
-	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
-	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/cnievent"
-	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns/netnstest"
-	"github.com/inpod-dev/inpod/zds"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
-
-// mirrorCache plays the agent's informer mirrorCache (and its one API read).
-type mirrorCache struct {
-	pods map[string]*corev1.Pod
-	nss  map[string]*corev1.Namespace
-}
-
-func (c *mirrorCache) Pod(_ context.Context, namespace, name string) (*corev1.Pod, error) {
-	if p, ok := c.pods[namespace+"/"+name]; ok {
-		return p, nil
-	}
-	return nil, apierrors.NewNotFound(schema.GroupResource{Resource: "pods"}, name)
-}
-
-func (c *mirrorCache) Namespace(_ context.Context, name string) (*corev1.Namespace, error) {
-	if ns, ok := c.nss[name]; ok {
-		return ns, nil
-	}
-	return nil, apierrors.NewNotFound(schema.GroupResource{Resource: "namespaces"}, name)
-}
-
-type mirrorRecorder struct {
-	mu     sync.Mutex
-	events []string
-}
-
-func (r *mirrorRecorder) Set(types.NamespacedName, string) {}
-func (r *mirrorRecorder) Warn(_ *corev1.Pod, reason, _ string) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.events = append(r.events, reason)
-}
-func (r *mirrorRecorder) Enrolled(string, time.Duration) {}
-func (r *mirrorRecorder) Failed(string)                  {}
-func (r *mirrorRecorder) Removed()                       {}
-
-type mirrorZtunnel struct{ s *zds.Server }
-
-func (z *mirrorZtunnel) Add(ctx context.Context, w zds.Workload) error { return z.s.Add(ctx, w) }
-func (z *mirrorZtunnel) Del(ctx context.Context, uid string) error     { return z.s.Del(ctx, uid) }
 
 // mirror is the mirror pod the kubelet creates in the API for a static pod
 // whose UID (its manifest's hash) is hash.
@@ -81,48 +31,11 @@ func mirror(namespace, name, apiUID, hash string) *corev1.Pod {
 // The enrolled case runs the real pipeline: nftables rules in a real pod
 // netns, the netns handed to the ztunnel stand-in over ZDS.
 func TestStaticPodsAreDecidedByTheirMirrorPod(t *testing.T) {
-	host := netnstest.New(t)
-	hostFile := host.Open(t)
-	probes := redirect.NewHostProbes(hostFile)
-	if err := probes.Ensure(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { probes.Uninstall() })
-	c := &mirrorCache{
-		pods: map[string]*corev1.Pod{
-			"plain/web-node1": mirror("plain", "web-node1", "0b5e1c2a-1111-4c3d-9e8f-000000000001", "6f1c0ffee6f1c0ffee6f1c0ffee00001"),
-			"mesh/web-node1":  mirror("mesh", "web-node1", "0b5e1c2a-2222-4c3d-9e8f-000000000002", "6f1c0ffee6f1c0ffee6f1c0ffee00002"),
-		},
-		nss: map[string]*corev1.Namespace{
-			"plain": {ObjectMeta: metav1.ObjectMeta{Name: "plain"}},
-			"mesh":  {ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}},
-		},
-	}
-	rec := &mirrorRecorder{}
-	zt := &mirrorZtunnel{}
-	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	p := enroll.New(enroll.Config{
-		Policy: enroll.Policy{ExcludedNamespaces: []string{"kube-system"}},
-		Rules:  nftRules{redirect.NewEngine(redirect.NewNFTables())}, Probes: probes, Ztunnel: zt, Pods: c,
-		Annotations: rec, Events: rec, Observer: rec, Logger: log,
-	})
-	defer p.Close()
-	sock := filepath.Join(testkit.ShortTempDir(t, "mirror-"), "zds.sock")
-	srv, err := zds.NewServer(zds.Config{SocketPath: sock, Source: p, Logger: log})
-	if err != nil {
-		t.Fatal(err)
-	}
-	zt.s = srv
-	if err := srv.Listen(); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	defer func() { cancel(); wg.Wait() }()
-	wg.Go(func() { srv.Serve(ctx) })
-	standin := ztunnel.New(ztunnel.Config{SocketPath: sock, Logger: log, MinBackoff: 10 * time.Millisecond})
-	wg.Go(func() { standin.Run(ctx) })
-	testkit.Eventually(t, 10*time.Second, "the stand-in to connect", func() bool { return srv.State().Ready })
+	f := newFixture(t)
+	f.cache.pods["plain/web-node1"] = mirror("plain", "web-node1", "0b5e1c2a-1111-4c3d-9e8f-000000000001", "6f1c0ffee6f1c0ffee6f1c0ffee00001")
+	f.cache.pods["mesh/web-node1"] = mirror("mesh", "web-node1", "0b5e1c2a-2222-4c3d-9e8f-000000000002", "6f1c0ffee6f1c0ffee6f1c0ffee00002")
+	standin, _ := f.standin(ztunnel.Config{})
+	p, c, ctx := f.p, f.cache, context.Background()
 
 	add := func(namespace, uid string) (cnievent.Outcome, error) {
 		pod := netnstest.New(t)

@@ -28,7 +28,7 @@ func TestSnapshotFilesOutliveAnUnenroll(t *testing.T) {
 	pods := map[string]*netnstest.NetNS{"uid-x": netnstest.New(t), "uid-y": netnstest.New(t)}
 	var srv *zds.Server // the pipeline is the server's source, the server its ztunnel
 	p := enroll.New(enroll.Config{
-		Rules: snapshotNoRules{}, Probes: snapshotNoProbes{}, Pods: snapshotPods{}, Ztunnel: snapshotZtunnel{&srv},
+		Rules: snapshotNoRules{}, Probes: snapshotNoProbes{}, Pods: snapshotPods{}, Ztunnel: ztunnelRef{&srv},
 		Annotations: snapshotNop{}, Events: snapshotNop{}, Observer: snapshotNop{},
 	})
 	t.Cleanup(p.Close)
@@ -112,11 +112,6 @@ func (snapshotNop) Warn(*corev1.Pod, string, string) {}
 func (snapshotNop) Enrolled(string, time.Duration)   {}
 func (snapshotNop) Failed(string)                    {}
 func (snapshotNop) Removed()                         {}
-
-type snapshotZtunnel struct{ srv **zds.Server }
-
-func (z snapshotZtunnel) Add(ctx context.Context, w zds.Workload) error { return (*z.srv).Add(ctx, w) }
-func (z snapshotZtunnel) Del(ctx context.Context, uid string) error     { return (*z.srv).Del(ctx, uid) }
 
 // A ztunnel that connects while a pod is being removed gets a snapshot; if
 // the pod were still in it when the Del went out, that ztunnel would keep
