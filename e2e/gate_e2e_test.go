@@ -7,8 +7,6 @@ import (
 	"context"
 	"io"
 	"log/slog"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -18,13 +16,10 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/inpod-dev/inpod/agent"
-	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/testkit"
-	"github.com/inpod-dev/inpod/netns"
-	"github.com/inpod-dev/inpod/plugin/plugintest"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
@@ -47,38 +42,9 @@ func TestE2EDevicePluginGatesScheduling(t *testing.T) {
 	})
 	client := node.Client
 
-	dir := t.TempDir()
-	image := filepath.Join(dir, "image")
-	if err := plugintest.Build(image); err != nil {
-		t.Fatal(err)
-	}
-	sockDir, _ := os.MkdirTemp("", "inpod-e2e-")
-	t.Cleanup(func() { os.RemoveAll(sockDir) })
-	zdsSocket := filepath.Join(sockDir, "ztunnel.sock")
-	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	const devices = 16
-	a, err := agent.New(agent.Config{
-		NodeName: node.Name, Kubeconfig: node.Kubeconfig,
-		ZDSSocket: zdsSocket, CNISocket: filepath.Join(sockDir, "cni.sock"),
-		CNISourceDir: image, CNIBinDir: node.CNIBin, CNIConfDir: node.CNIConf, InstallCNI: true,
-		StateDir: filepath.Join(dir, "state"), RedirectBackend: "nftables", ExcludedNamespaces: []string{"kube-system"},
-		HealthAddr: "127.0.0.1:0", MetricsAddr: "127.0.0.1:0", Logger: log,
-		DevicePlugin: deviceplugin.Config{PluginDir: node.DevicePluginDir(), Devices: devices},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	actx, acancel := context.WithCancel(ctx)
-	adone := make(chan error, 1)
-	go func() { adone <- a.Run(actx) }()
-	t.Cleanup(func() {
-		acancel()
-		<-adone
-		// The agent ran in the host netns; take its node-side table out.
-		if host, err := netns.Open("/proc/self/ns/net"); err == nil {
-			redirect.NewHostProbes(host).Uninstall()
-			host.Close()
-		}
+	a, zdsSocket := runHostAgent(ctx, t, node, func(c *agent.Config) {
+		c.DevicePlugin = deviceplugin.Config{PluginDir: node.DevicePluginDir(), Devices: devices}
 	})
 
 	allocatable := func() int64 {

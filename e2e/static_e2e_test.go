@@ -18,12 +18,9 @@ import (
 
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/agent/enroll"
-	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/testkit"
-	"github.com/inpod-dev/inpod/netns"
-	"github.com/inpod-dev/inpod/plugin/plugintest"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
@@ -57,36 +54,7 @@ func TestE2EStaticPods(t *testing.T) {
 		}
 	}
 
-	dir := t.TempDir()
-	image := filepath.Join(dir, "image")
-	if err := plugintest.Build(image); err != nil {
-		t.Fatal(err)
-	}
-	sockDir := testkit.ShortTempDir(t, "inpod-e2e-")
-	zdsSocket := filepath.Join(sockDir, "ztunnel.sock")
-	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
-	a, err := agent.New(agent.Config{
-		NodeName: node.Name, Kubeconfig: node.Kubeconfig,
-		ZDSSocket: zdsSocket, CNISocket: filepath.Join(sockDir, "cni.sock"),
-		CNISourceDir: image, CNIBinDir: node.CNIBin, CNIConfDir: node.CNIConf, InstallCNI: true,
-		StateDir: filepath.Join(dir, "state"), RedirectBackend: "nftables", ExcludedNamespaces: []string{"kube-system"},
-		HealthAddr: "127.0.0.1:0", MetricsAddr: "127.0.0.1:0", Logger: log, Gate: "none",
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	actx, acancel := context.WithCancel(ctx)
-	adone := make(chan error, 1)
-	go func() { adone <- a.Run(actx) }()
-	t.Cleanup(func() {
-		acancel()
-		<-adone
-		// The agent ran in the host netns; take its node-side table out.
-		if host, err := netns.Open("/proc/self/ns/net"); err == nil {
-			redirect.NewHostProbes(host).Uninstall()
-			host.Close()
-		}
-	})
+	a, zdsSocket := runHostAgent(ctx, t, node, func(c *agent.Config) { c.Gate = "none" })
 	z := ztunnel.New(ztunnel.Config{SocketPath: zdsSocket, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	zctx, zcancel := context.WithCancel(ctx)
 	zdone := make(chan struct{})
