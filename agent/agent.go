@@ -522,14 +522,23 @@ func (a *Agent) reconcileLoop(ctx context.Context, queue workqueue.TypedRateLimi
 
 func (a *Agent) reconcileOne(ctx context.Context, key types.NamespacedName, pods *podCache) error {
 	pod, err := pods.pods.Pods(key.Namespace).Get(key.Name)
-	if err != nil {
-		// Deleted: forget it if it was enrolled.
-		if uid, ok := a.pipeline.UIDOf(key); ok {
-			return a.pipeline.Unenroll(ctx, uid)
+	// Every enrolled pod of this name that is not the cached one is gone:
+	// deleted, or deleted and recreated under the same name (its DEL may
+	// have been missed while the agent was down). Left in the table it
+	// would stay in every snapshot and keep its fd and probe exemption.
+	var errs []error
+	for _, uid := range a.pipeline.UIDsOf(key) {
+		if err == nil && uid == pod.UID {
+			continue
 		}
-		return nil
+		if err := a.pipeline.Unenroll(ctx, uid); err != nil {
+			errs = append(errs, err)
+		}
 	}
-	return a.pipeline.Reconcile(ctx, pod)
+	if err == nil {
+		errs = append(errs, a.pipeline.Reconcile(ctx, pod))
+	}
+	return errors.Join(errs...)
 }
 
 func podKey(obj any) (types.NamespacedName, bool) {

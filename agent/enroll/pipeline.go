@@ -255,6 +255,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	// Every failure below goes through abort, which undoes what this call
 	// did to a new sandbox and reports why.
 	var rulesWritten, published bool
+	var exempted []netip.Addr // probe exemptions this call added
 	abort := func(f error) error {
 		if fromCNI && !sameSandbox {
 			if published {
@@ -264,6 +265,16 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 				if _, err := p.cfg.Rules.Remove(sb.netns); err != nil {
 					p.log.Error("could not take the rules out of a sandbox whose start failed", "pod", key, "err", err)
 				}
+			}
+		}
+		// An exemption left behind would SNAT the node's probes to the
+		// next pod given this IP, which may be outside the mesh.
+		for _, ip := range exempted {
+			if old != nil && slices.Contains(old.ips, ip) {
+				continue
+			}
+			if err := p.cfg.Probes.Remove(ip); err != nil {
+				p.log.Error("could not drop the probe exemption of a sandbox whose start failed; pruned at the next restart", "pod", key, "ip", ip, "err", err)
 			}
 		}
 		if fromCNI && sameSandbox && published {
@@ -285,6 +296,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 		if err := p.cfg.Probes.Add(ip); err != nil {
 			return abort(fail("ProbeExemptionFailed", "exempt kubelet probes to %s: %v", ip, err))
 		}
+		exempted = append(exempted, ip)
 	}
 	info := zds.Workload{UID: string(pod.UID), Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName, NetNS: sb.netns}
 	p.setEntry(pod.UID, &entry{pod: key, netns: sb.netns, id: id, containerID: sb.containerID, sandboxUID: SandboxUID(pod), ips: sb.ips, info: info})
@@ -577,8 +589,11 @@ func (p *Pipeline) EnrolledIPs() []netip.Addr {
 // namespace is not known is left as it is (the error retries it).
 func (p *Pipeline) Reconcile(ctx context.Context, pod *corev1.Pod) error {
 	defer p.lock(pod.UID)()
+	// A terminating pod still runs (preStop hooks, draining) and stays in
+	// the mesh until it has finished, its sandbox's DEL comes, or it is
+	// gone from the API.
 	want := false
-	if pod.DeletionTimestamp == nil && pod.Status.Phase != corev1.PodSucceeded && pod.Status.Phase != corev1.PodFailed {
+	if pod.Status.Phase != corev1.PodSucceeded && pod.Status.Phase != corev1.PodFailed {
 		var err error
 		if want, err = p.wants(ctx, pod); err != nil {
 			return err
@@ -625,7 +640,7 @@ func (p *Pipeline) verifySandbox(ctx context.Context, pod *corev1.Pod, e *entry)
 	if len(ips) == 0 {
 		return nil
 	}
-	f, err := p.cfg.Finder.Find(string(pod.UID), ips)
+	f, err := p.cfg.Finder.Find(SandboxUID(pod), ips)
 	if err != nil {
 		if slices.Equal(ips, e.ips) {
 			// Nothing says the sandbox changed: the pod may be stopping,
@@ -673,6 +688,21 @@ func (p *Pipeline) Close() {
 	for _, e := range p.enrolled {
 		e.netns.Close()
 	}
+}
+
+// UIDsOf lists the enrolled pods of a name: more than one when a pod was
+// deleted and recreated under its name (a StatefulSet's) and the old one's
+// removal was missed.
+func (p *Pipeline) UIDsOf(pod types.NamespacedName) []types.UID {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []types.UID
+	for uid, e := range p.enrolled {
+		if e.pod == pod {
+			out = append(out, uid)
+		}
+	}
+	return out
 }
 
 // UIDOf finds an enrolled pod by name (after it left the cache).

@@ -631,3 +631,82 @@ func (r nftRules) Apply(ns *os.File) (bool, error) {
 	res, err := r.Engine.Apply(ns, redirect.Options{})
 	return res.Changed, err
 }
+
+// A start that fails after the probe exemption was added takes the
+// exemption out again: left behind, it would SNAT the node's probes to the
+// next pod the IPAM gives that IP, which may be outside the mesh.
+func TestFailedStartLeavesNoProbeExemption(t *testing.T) {
+	f := newFixture(t)
+	pod, sb := f.pod("mesh", "no-ztunnel", nil), f.sandbox()
+	if out, _ := f.add(pod, sb, "c1"); out != cnievent.Failed {
+		t.Fatalf("ADD without ztunnel = %q", out)
+	}
+	members, err := f.probes.Members()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if slices.Contains(members, sb.ip) {
+		t.Fatalf("the probe set still exempts %s after its pod's start failed: %v", sb.ip, members)
+	}
+}
+
+// A pod being deleted still runs (preStop hooks, draining connections): a
+// deletion timestamp alone must not take it out of the mesh; its sandbox's
+// DEL, its end, or its removal from the API does.
+func TestTerminatingPodStaysRedirected(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	pod, sb := f.pod("mesh", "draining", nil), f.sandbox()
+	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	terminating := f.running(pod, sb)
+	now := metav1.Now()
+	terminating.DeletionTimestamp = &now
+	if err := f.p.Reconcile(context.Background(), terminating); err != nil {
+		t.Fatal(err)
+	}
+	if !hasRules(t, sb) || !f.p.IsEnrolled(pod.UID) {
+		t.Fatalf("a terminating pod lost its redirection: rules %v, enrolled %v", hasRules(t, sb), f.p.IsEnrolled(pod.UID))
+	}
+	if _, ok := inZtunnel(z, pod); !ok {
+		t.Fatal("ztunnel was told to drop a pod that still runs")
+	}
+	finished := terminating.DeepCopy()
+	finished.Status.Phase = corev1.PodSucceeded
+	if err := f.p.Reconcile(context.Background(), finished); err != nil {
+		t.Fatal(err)
+	}
+	if f.p.IsEnrolled(pod.UID) {
+		t.Fatal("a finished pod is still enrolled")
+	}
+}
+
+// A static pod's recreated sandbox is found by the static pod's UID (its
+// cgroup's), not by its mirror pod's API UID.
+func TestReconcileRedirectsARecreatedStaticPodSandbox(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	const hash = "6f1c0ffee6f1c0ffee6f1c0ffee00003"
+	pod := mirror("mesh", "static-web", "0b5e1c2a-3333-4c3d-9e8f-000000000003", hash)
+	f.cache.mu.Lock()
+	f.cache.pods["mesh/static-web"] = pod
+	f.cache.mu.Unlock()
+	first := f.sandbox()
+	if out, err := f.p.Add(context.Background(), &cnievent.Request{Command: cnievent.Add, PodNamespace: "mesh", PodName: "static-web",
+		PodUID: hash, ContainerID: "s1", Netns: first.Path, IPs: []string{first.ip.String()}}); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	second := sandbox{netnstest.New(t), first.ip}
+	second.Exec(t, "ip", "addr", "add", first.ip.String()+"/32", "dev", "lo")
+	runInPod(t, second, hash)
+	if err := f.p.Reconcile(context.Background(), f.running(pod, first)); err != nil {
+		t.Fatal(err)
+	}
+	if !hasRules(t, second) {
+		t.Fatal("the static pod's recreated sandbox runs unredirected after reconcile")
+	}
+	if id, ok := inZtunnel(z, pod); !ok || id != identity(t, second) {
+		t.Fatalf("ztunnel runs the static pod in netns %v (%v); want the new sandbox's %v", id, ok, identity(t, second))
+	}
+}

@@ -1,0 +1,84 @@
+package agent
+
+import (
+	"context"
+	"net/netip"
+	"os"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	listersv1 "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/netns/netnstest"
+	"github.com/inpod-dev/inpod/zds"
+)
+
+// A pod deleted and recreated under its name (a StatefulSet's) whose DEL
+// was missed: reconciling the name must drop the old incarnation, or it
+// stays in every snapshot with its netns fd and probe exemption, and a
+// later removal by name may pick either.
+func TestReconcileDropsAnOldIncarnationOfARecreatedPod(t *testing.T) {
+	old := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "web-0", UID: "uid-old",
+		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}}
+	recreated := old.DeepCopy()
+	recreated.UID = "uid-new"
+	indexer := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
+	pods := &podCache{pods: listersv1.NewPodLister(indexer)}
+
+	p := enroll.New(enroll.Config{Rules: noRules{}, Probes: noProbes{}, Ztunnel: noZtunnel{}, Pods: onePod{old},
+		Annotations: nop{}, Events: nop{}, Observer: nop{}})
+	t.Cleanup(p.Close)
+	a := &Agent{pipeline: p}
+	sb := netnstest.New(t)
+	ctx := context.Background()
+	if out, err := p.Add(ctx, &cnievent.Request{Command: cnievent.Add, PodNamespace: "mesh", PodName: "web-0",
+		PodUID: "uid-old", ContainerID: "c-old", Netns: sb.Path}); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	if err := indexer.Add(recreated); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.reconcileOne(ctx, types.NamespacedName{Namespace: "mesh", Name: "web-0"}, pods); err != nil {
+		t.Fatal(err)
+	}
+	if p.IsEnrolled("uid-old") {
+		t.Fatal("the deleted incarnation of a recreated pod is still enrolled")
+	}
+}
+
+type noRules struct{}
+
+func (noRules) Apply(*os.File) (bool, error)  { return true, nil }
+func (noRules) Remove(*os.File) (bool, error) { return true, nil }
+
+type noProbes struct{}
+
+func (noProbes) Add(netip.Addr) error     { return nil }
+func (noProbes) Remove(netip.Addr) error  { return nil }
+func (noProbes) Prune([]netip.Addr) error { return nil }
+
+type noZtunnel struct{}
+
+func (noZtunnel) Add(context.Context, zds.Workload) error { return nil }
+func (noZtunnel) Del(context.Context, string) error       { return nil }
+
+type onePod struct{ pod *corev1.Pod }
+
+func (o onePod) Pod(context.Context, string, string) (*corev1.Pod, error) { return o.pod, nil }
+func (o onePod) Namespace(_ context.Context, name string) (*corev1.Namespace, error) {
+	return &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, nil
+}
+
+type nop struct{}
+
+func (nop) Set(types.NamespacedName, string) {}
+func (nop) Warn(*corev1.Pod, string, string) {}
+func (nop) Enrolled(string, time.Duration)   {}
+func (nop) Failed(string)                    {}
+func (nop) Removed()                         {}
