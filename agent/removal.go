@@ -187,7 +187,7 @@ func (w *uninstallWatch) uninstalling(ctx context.Context) bool {
 	}
 	peer := successor
 	if peer == "" {
-		peer = w.peer(self, owner)
+		peer = w.peer(ctx, self, owner)
 	}
 	if peer != "" {
 		w.log.Info("the agent's DaemonSet is gone ("+how+") but another inpod agent serves this node: leaving inpod in place for it",
@@ -203,12 +203,19 @@ func (w *uninstallWatch) uninstalling(ctx context.Context) bool {
 // and how that is known; successor names an inpod DaemonSet that now has
 // its name (deleted and created again: kubectl replace --force).
 func (w *uninstallWatch) ownerGone(ctx context.Context, owner *metav1.OwnerReference) (gone bool, how, successor string) {
-	if w.wasDeleted(owner.UID) {
-		return true, "the watch saw it deleted", ""
-	}
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	ds, err := w.client.AppsV1().DaemonSets(w.self.Namespace).Get(ctx, owner.Name, metav1.GetOptions{})
+	if w.wasDeleted(owner.UID) {
+		// Known gone; a read that still works can only add a successor
+		// created under the same name (kubectl replace --force) that the
+		// watch has not delivered yet. A refused read (RBAC deleted with
+		// the DaemonSet) changes nothing.
+		if err == nil && ds.UID != owner.UID && ds.DeletionTimestamp == nil && w.selector.Matches(labels.Set(ds.Spec.Template.Labels)) {
+			successor = "DaemonSet " + ds.Namespace + "/" + ds.Name + " (created again under the same name)"
+		}
+		return true, "the watch saw it deleted", successor
+	}
 	switch {
 	case apierrors.IsNotFound(err):
 		return true, "not found", ""
@@ -226,8 +233,20 @@ func (w *uninstallWatch) ownerGone(ctx context.Context, owner *metav1.OwnerRefer
 }
 
 // peer names another inpod agent that serves this node, or returns "".
-func (w *uninstallWatch) peer(self *corev1.Pod, owner *metav1.OwnerReference) string {
+func (w *uninstallWatch) peer(ctx context.Context, self *corev1.Pod, owner *metav1.OwnerReference) string {
+	// The watch's last view and a fresh read of this node's agent pods,
+	// together: the pod watch stopped with the agent, and a successor's pod
+	// may have been created since. A refused read (RBAC gone) adds nothing;
+	// a pod in only one of them counts, which can only keep inpod in place.
 	pods, _ := w.pods.List(w.selector)
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if list, err := w.client.CoreV1().Pods(metav1.NamespaceAll).List(ctx, metav1.ListOptions{
+		LabelSelector: w.selector.String(), FieldSelector: "spec.nodeName=" + w.node}); err == nil {
+		for i := range list.Items {
+			pods = append(pods, &list.Items[i])
+		}
+	}
 	for _, p := range pods {
 		if p.UID == self.UID || p.Spec.NodeName != w.node || p.DeletionTimestamp != nil ||
 			p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {

@@ -42,7 +42,10 @@ func testAgentPod(name, node string, owner *appsv1.DaemonSet) *corev1.Pod {
 // the node's pods as the pod watch has them, and what the DaemonSet watch
 // has (watchDS) or saw deleted.
 type evidenceCase struct {
-	apiDS       []*appsv1.DaemonSet
+	apiDS []*appsv1.DaemonSet
+	// apiPods are in the API server only: created after the pod watch
+	// stopped.
+	apiPods     []*corev1.Pod
 	forbidden   bool
 	pods        []*corev1.Pod
 	watchDS     []*appsv1.DaemonSet
@@ -54,6 +57,9 @@ func (c evidenceCase) watch(t *testing.T) *uninstallWatch {
 	var objs []runtime.Object
 	for _, d := range c.apiDS {
 		objs = append(objs, d)
+	}
+	for _, p := range c.apiPods {
+		objs = append(objs, p)
 	}
 	client := fake.NewClientset(objs...)
 	if c.forbidden {
@@ -108,6 +114,10 @@ func TestUninstallIsDecidedOnlyOnUnambiguousEvidence(t *testing.T) {
 		"renamed: the new DaemonSet's pod not created yet, the watch has the DaemonSet": {
 			evidenceCase{apiDS: []*appsv1.DaemonSet{renamed}, pods: []*corev1.Pod{self}, watchDS: []*appsv1.DaemonSet{renamed}}, false},
 		"replaced under the same name": {evidenceCase{apiDS: []*appsv1.DaemonSet{sameName}, pods: []*corev1.Pod{self}}, false},
+		"replaced under the same name, the watch saw only the deletion": {
+			evidenceCase{apiDS: []*appsv1.DaemonSet{sameName}, pods: []*corev1.Pod{self}, seenDeleted: []types.UID{"uid-old"}}, false},
+		"renamed: the new DaemonSet's pod created after the pod watch stopped": {
+			evidenceCase{pods: []*corev1.Pod{self}, apiPods: []*corev1.Pod{testAgentPod("agent-new", "node-1", renamed)}, seenDeleted: []types.UID{"uid-old"}}, false},
 		"the other agent's pod is terminating: uninstall": {
 			evidenceCase{pods: []*corev1.Pod{self, terminating}}, true},
 		"the other agent's DaemonSet was seen deleted too: uninstall": {
