@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/passlist"
@@ -34,15 +35,10 @@ func startAgentProcess(b *testing.B, dir, socket, passList string) {
 		b.Fatal(err)
 	}
 	b.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+	testkit.Eventually(b, 10*time.Second, "the agent stand-in to answer on "+socket, func() bool {
 		_, err := cnievent.Send(context.Background(), socket, &cnievent.Request{Command: cnievent.Add})
-		if err == nil && passlist.Passes(passList, "default", "bench", "u1") {
-			return
-		}
-		if time.Now().After(deadline) {
-			b.Fatal("the agent stand-in does not answer on", socket)
-		}
-	}
+		return err == nil && passlist.Passes(passList, "default", "bench", "u1")
+	})
 }
 
 // execPlugin runs a CNI plugin binary the way a runtime does, inside node.

@@ -18,6 +18,7 @@ import (
 
 	"github.com/inpod-dev/inpod/agent/cniserver"
 	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/passlist"
@@ -372,11 +373,9 @@ func TestPassListSkipsTheAgentOnlyForListedPodsWhileTheAgentLives(t *testing.T) 
 	beating := make(chan struct{})
 	go func() { list.Run(ctx); close(beating) }()
 	t.Cleanup(func() { cancel(); <-beating })
-	for deadline := time.Now().Add(5 * time.Second); !passlist.Passes(dir, "default", "plain", "uid-plain"); time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the pass list never became live")
-		}
-	}
+	testkit.Eventually(t, 5*time.Second, "the pass list to become live", func() bool {
+		return passlist.Passes(dir, "default", "plain", "uid-plain")
+	})
 	c.setEntry(t, "passList", dir)
 	asked := func(rt *libcni.RuntimeConf) bool {
 		t.Helper()

@@ -11,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/zds"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
@@ -36,9 +37,9 @@ func BenchmarkAddAck(b *testing.B) {
 	go srv.Serve(ctx)
 	z := ztunnel.New(ztunnel.Config{SocketPath: path, Logger: discardLogger()})
 	go z.Run(ctx)
-	for srv.State() != (zds.State{Connections: 1, Ready: true}) {
-		time.Sleep(time.Millisecond)
-	}
+	testkit.Eventually(b, 10*time.Second, "the stand-in connected", func() bool {
+		return srv.State() == (zds.State{Connections: 1, Ready: true})
+	})
 
 	baseline := bareRoundTrips(b, int(nsFile.Fd()), max(b.N, 200))
 	addTimes := make([]time.Duration, 0, b.N)

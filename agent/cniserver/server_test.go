@@ -15,6 +15,7 @@ import (
 
 	"github.com/inpod-dev/inpod/agent/cniserver"
 	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/internal/testkit"
 )
 
 // handler records requests and answers with whatever the test sets.
@@ -243,10 +244,7 @@ func TestBusyServerRefusesBeyondItsLimit(t *testing.T) {
 		_, err := send(t, path, validAdd())
 		first <- err
 	}()
-	deadline := time.Now().Add(5 * time.Second)
-	for h.count() == 0 && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
-	}
+	testkit.Eventually(t, 5*time.Second, "the first request to reach the handler", func() bool { return h.count() > 0 })
 	resp, err := send(t, path, validAdd())
 	if err != nil || resp.Outcome != cnievent.Failed || !strings.Contains(resp.Message, "busy") {
 		t.Fatalf("second request = %+v, %v; want busy", resp, err)

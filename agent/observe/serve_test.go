@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/readiness"
 )
 
@@ -24,19 +25,19 @@ func freeAddr(t *testing.T) string {
 
 func get(t *testing.T, url string) (int, string) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	var code int
+	var body string
+	testkit.Eventually(t, 5*time.Second, "an answer from "+url, func() bool {
 		resp, err := http.Get(url)
-		if err == nil {
-			body, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			return resp.StatusCode, string(body)
+		if err != nil {
+			return false
 		}
-		if time.Now().After(deadline) {
-			t.Fatal(err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		code, body = resp.StatusCode, string(b)
+		return true
+	})
+	return code, body
 }
 
 func TestHealthReadinessAndMetricsEndpoints(t *testing.T) {
