@@ -115,11 +115,10 @@ func handlerFuncs(add func(obj any), del func(obj any)) cache.ResourceEventHandl
 }
 
 // sandboxCheckInterval paces the backstop sweep over enrolled pods. Pod
-// updates already reconcile (and so verify) a pod whose sandbox the kubelet
-// recreated; the sweep catches one whose status did not change. Each check
-// is one procfs scan (about 6 ms with 100 processes here, growing with the
-// node's process count), so the sweep stays slow.
-const sandboxCheckInterval = 5 * time.Minute
+// updates already reconcile (and so verify) a pod whose status says the
+// kubelet recreated its sandbox; the sweep catches one whose status did not
+// change: a reconcile checks a sandbox not checked for this long.
+const sandboxCheckInterval = enroll.DefaultSandboxCheckEvery
 
 // checkSandboxes queues every enrolled pod each interval; reconcile then
 // verifies that its sandbox is the netns inpod holds.

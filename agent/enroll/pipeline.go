@@ -72,16 +72,20 @@ type (
 
 // Config wires a Pipeline.
 type Config struct {
-	Policy      Policy
-	Rules       Rules
-	Probes      ProbeSet
-	Ztunnel     Ztunnel
-	Pods        Pods
-	Finder      NetnsFinder
-	Annotations Annotations
-	Events      Events
-	Observer    Observer
-	Logger      *slog.Logger
+	Policy  Policy
+	Rules   Rules
+	Probes  ProbeSet
+	Ztunnel Ztunnel
+	Pods    Pods
+	Finder  NetnsFinder
+	// SandboxCheckEvery is how old a pod's last sandbox check may get
+	// before a reconcile looks again without any sign of a change
+	// (default DefaultSandboxCheckEvery).
+	SandboxCheckEvery time.Duration
+	Annotations       Annotations
+	Events            Events
+	Observer          Observer
+	Logger            *slog.Logger
 }
 
 // Pipeline is the enrolled-pod table and the operations on it. Operations
@@ -114,6 +118,9 @@ type entry struct {
 	sandboxUID string
 	ips        []netip.Addr
 	info       zds.Workload
+	// checkedAt is when the sandbox was last known to be this one: at
+	// enrollment, and at each procfs check.
+	checkedAt time.Time
 }
 
 // New returns an empty pipeline.
@@ -299,7 +306,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 		exempted = append(exempted, ip)
 	}
 	info := zds.Workload{UID: string(pod.UID), Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName, NetNS: sb.netns}
-	p.setEntry(pod.UID, &entry{pod: key, netns: sb.netns, id: id, containerID: sb.containerID, sandboxUID: SandboxUID(pod), ips: sb.ips, info: info})
+	p.setEntry(pod.UID, &entry{pod: key, netns: sb.netns, id: id, containerID: sb.containerID, sandboxUID: SandboxUID(pod), ips: sb.ips, info: info, checkedAt: time.Now()})
 	published = true
 	if err := p.cfg.Ztunnel.Add(ctx, info); err != nil {
 		reason := "ZtunnelRejected"
@@ -620,14 +627,54 @@ func (p *Pipeline) Reconcile(ctx context.Context, pod *corev1.Pod) error {
 	case !want && e != nil:
 		return p.unenroll(ctx, pod.UID, e)
 	case want && e != nil:
-		if err := p.verifySandbox(ctx, pod, e); err != nil {
-			return err
+		if p.sandboxMayHaveChanged(pod, e) {
+			if err := p.verifySandbox(ctx, pod, e); err != nil {
+				return err
+			}
 		}
 		// Converge the annotation (a crash between the reply and the
 		// patch must heal).
 		p.cfg.Annotations.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, AnnotationEnabled)
 	}
 	return nil
+}
+
+// DefaultSandboxCheckEvery paces the check of a pod's sandbox when nothing
+// in its status says it changed: each check is one procfs scan (about 6 ms
+// with 100 processes, growing with the node's process count).
+const DefaultSandboxCheckEvery = 5 * time.Minute
+
+// sandboxMayHaveChanged says whether a reconcile should look for the pod's
+// sandbox through procfs. Looking on every pod update cost a scan per
+// status or annotation change, which made a burst of pod starts ~1.5×
+// slower; the kubelet's status says when to look: other IPs, or its
+// PodReadyToStartContainers condition turning True again (a new sandbox)
+// after the last check. The periodic sweep covers a status that did not
+// change.
+func (p *Pipeline) sandboxMayHaveChanged(pod *corev1.Pod, e *entry) bool {
+	if ips := podIPs(pod); len(ips) > 0 && !slices.Equal(ips, e.ips) {
+		return true
+	}
+	p.mu.Lock()
+	checkedAt := e.checkedAt
+	p.mu.Unlock()
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.PodReadyToStartContainers && c.LastTransitionTime.After(checkedAt) {
+			return true
+		}
+	}
+	every := p.cfg.SandboxCheckEvery
+	if every <= 0 {
+		every = DefaultSandboxCheckEvery
+	}
+	return time.Since(checkedAt) >= every
+}
+
+// checked records that the pod's sandbox was found to be the enrolled one.
+func (p *Pipeline) checked(e *entry) {
+	p.mu.Lock()
+	e.checkedAt = time.Now()
+	p.mu.Unlock()
 }
 
 // verifySandbox looks for the enrolled pod's sandbox through procfs (a
@@ -645,6 +692,7 @@ func (p *Pipeline) verifySandbox(ctx context.Context, pod *corev1.Pod, e *entry)
 		if slices.Equal(ips, e.ips) {
 			// Nothing says the sandbox changed: the pod may be stopping,
 			// and the held netns is still the one enrolled.
+			p.checked(e)
 			return nil
 		}
 		return p.report(pod, fail("NetnsNotFound", "the pod reports IPs %v, its enrolled sandbox holds %v, and no netns of the pod holds them: %v", ips, e.ips, err))
@@ -652,6 +700,9 @@ func (p *Pipeline) verifySandbox(ctx context.Context, pod *corev1.Pod, e *entry)
 	id, err := netns.IdentityOf(int(f.Fd()))
 	if err != nil || id == e.id {
 		f.Close()
+		if err == nil {
+			p.checked(e)
+		}
 		return nil
 	}
 	key := types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}

@@ -115,6 +115,7 @@ func (r *recorder) Failed(string)                  {}
 func (r *recorder) Removed()                       {}
 
 type fixture struct {
+	finder *countingFinder
 	t      *testing.T
 	p      *enroll.Pipeline
 	cache  *podCache
@@ -131,7 +132,7 @@ func newFixture(t *testing.T) *fixture {
 	if err := hostProbes.Ensure(); err != nil {
 		t.Fatal(err)
 	}
-	f := &fixture{t: t, probes: &probes{HostProbes: hostProbes},
+	f := &fixture{t: t, probes: &probes{HostProbes: hostProbes}, finder: &countingFinder{},
 		cache: &podCache{pods: map[string]*corev1.Pod{}, namespaces: map[string]*corev1.Namespace{
 			"mesh":  {ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}},
 			"plain": {ObjectMeta: metav1.ObjectMeta{Name: "plain"}},
@@ -146,7 +147,7 @@ func newFixture(t *testing.T) *fixture {
 		Probes:      f.probes,
 		Ztunnel:     ztunnelRef{&srv},
 		Pods:        f.cache,
-		Finder:      podnetns.Finder{},
+		Finder:      f.finder,
 		Annotations: f.rec,
 		Events:      f.rec,
 		Observer:    f.rec,
@@ -232,6 +233,27 @@ func (f *fixture) running(pod *corev1.Pod, sb sandbox) *corev1.Pod {
 	f.cache.pods[p.Namespace+"/"+p.Name] = p
 	f.cache.mu.Unlock()
 	return p
+}
+
+// recreated is the status the kubelet posts once it has set up a new
+// sandbox for the pod: its PodReadyToStartContainers condition turned True
+// again (the API keeps seconds, hence a second ahead).
+func (f *fixture) recreated(pod *corev1.Pod, sb sandbox) *corev1.Pod {
+	p := f.running(pod, sb)
+	p.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReadyToStartContainers, Status: corev1.ConditionTrue,
+		LastTransitionTime: metav1.NewTime(time.Now().Add(time.Second))}}
+	return p
+}
+
+// countingFinder is the real procfs finder, counted.
+type countingFinder struct {
+	podnetns.Finder
+	calls atomic.Int32
+}
+
+func (c *countingFinder) Find(uid string, ips []netip.Addr) (*os.File, error) {
+	c.calls.Add(1)
+	return c.Finder.Find(uid, ips)
 }
 
 func request(cmd cnievent.Command, pod *corev1.Pod, sb sandbox, containerID string) *cnievent.Request {
@@ -564,7 +586,7 @@ func TestReconcileRedirectsASandboxRecreatedWithoutItsADD(t *testing.T) {
 	second.Exec(t, "ip", "addr", "add", first.ip.String()+"/32", "dev", "lo")
 	runInPod(t, second, pod.UID)
 
-	if err := f.p.Reconcile(context.Background(), f.running(pod, first)); err != nil {
+	if err := f.p.Reconcile(context.Background(), f.recreated(pod, first)); err != nil {
 		t.Fatal(err)
 	}
 	if !hasRules(t, second) {
@@ -700,7 +722,7 @@ func TestReconcileRedirectsARecreatedStaticPodSandbox(t *testing.T) {
 	second := sandbox{netnstest.New(t), first.ip}
 	second.Exec(t, "ip", "addr", "add", first.ip.String()+"/32", "dev", "lo")
 	runInPod(t, second, hash)
-	if err := f.p.Reconcile(context.Background(), f.running(pod, first)); err != nil {
+	if err := f.p.Reconcile(context.Background(), f.recreated(pod, first)); err != nil {
 		t.Fatal(err)
 	}
 	if !hasRules(t, second) {
@@ -708,5 +730,31 @@ func TestReconcileRedirectsARecreatedStaticPodSandbox(t *testing.T) {
 	}
 	if id, ok := inZtunnel(z, pod); !ok || id != identity(t, second) {
 		t.Fatalf("ztunnel runs the static pod in netns %v (%v); want the new sandbox's %v", id, ok, identity(t, second))
+	}
+}
+
+// A pod's updates (status, annotations) reconcile it many times while it
+// starts; only a sign in its status that the sandbox changed, or a check
+// gone stale, costs a procfs scan.
+func TestReconcileScansProcfsOnlyWhenTheSandboxMayHaveChanged(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	pod, sb := f.pod("mesh", "steady", nil), f.sandbox()
+	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	for range 5 {
+		if err := f.p.Reconcile(context.Background(), f.running(pod, sb)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := f.finder.calls.Load(); n != 0 {
+		t.Fatalf("%d procfs scans for updates that say nothing about the sandbox, want 0", n)
+	}
+	if err := f.p.Reconcile(context.Background(), f.recreated(pod, sb)); err != nil {
+		t.Fatal(err)
+	}
+	if n := f.finder.calls.Load(); n != 1 {
+		t.Fatalf("%d procfs scans after the kubelet reported a new sandbox, want 1", n)
 	}
 }
