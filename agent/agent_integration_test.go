@@ -463,8 +463,13 @@ func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
 	w.stopStandin = w.startStandin()
 	w.eventually("the gate open again", func() bool { return w.kubelet.Allocatable(res4) == 4 })
 
-	// Deleting the enrolled pod removes everything.
-	if err := w.client.CoreV1().Pods("mesh").Delete(ctx, "a", metav1.DeleteOptions{}); err != nil {
+	// The pod gone from the API removes everything. (A graceful delete
+	// only marks it terminating: it still runs and stays in the mesh
+	// until its sandbox's DEL or its removal, which the kubelet makes once
+	// its containers stopped; there is no kubelet here, so the test
+	// removes it at once.)
+	zero := int64(0)
+	if err := w.client.CoreV1().Pods("mesh").Delete(ctx, "a", metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
 		t.Fatal(err)
 	}
 	w.eventually("the deleted pod removed", func() bool {
