@@ -490,17 +490,27 @@ func (a *Agent) followZtunnel(ctx context.Context, s *zds.Server) {
 // Pipeline exposes the enrolled-pod table (for tests and the gates).
 func (a *Agent) Pipeline() *enroll.Pipeline { return a.pipeline }
 
+// restore brings every pod on the node to what the policy says before
+// ztunnel is served. A pod a previous agent enrolled that cannot be restored
+// yet is held (see enroll.Pipeline.Restore): the first snapshot keeps its
+// proxy and the prune keeps its probe exemption, since its rules still point
+// at both. The informers' initial list queues every pod as well, so the
+// reconciler retries what failed here.
 func (a *Agent) restore(ctx context.Context, pods *podCache, probes *redirect.HostProbes) {
 	all, _ := pods.pods.List(labels.Everything())
 	for _, p := range all {
-		if err := a.pipeline.Reconcile(ctx, p); err != nil {
+		if err := a.pipeline.Restore(ctx, p); err != nil {
 			a.log.Warn("could not restore pod at start; will retry", "pod", p.Namespace+"/"+p.Name, "err", err)
 		}
 	}
-	if err := probes.Prune(a.pipeline.EnrolledIPs()); err != nil {
+	if !a.pipeline.PruneSafe() {
+		// A stale exemption only SNATs probes; a missing one gets an
+		// enrolled pod killed by its liveness probe.
+		a.log.Warn("not pruning the probe set: a pod enrolled by the previous agent reports no IPs yet; stale exemptions stay until the next restart")
+	} else if err := probes.Prune(a.pipeline.EnrolledIPs()); err != nil {
 		a.log.Warn("could not prune the probe set", "err", err)
 	}
-	a.log.Info("restored enrolled pods", "pods", len(a.pipeline.EnrolledIPs()))
+	a.log.Info("restored enrolled pods", "pods", len(a.pipeline.Enrolled()))
 }
 
 func (a *Agent) reconcileLoop(ctx context.Context, queue workqueue.TypedRateLimitingInterface[types.NamespacedName], pods *podCache) {

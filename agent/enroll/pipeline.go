@@ -96,7 +96,22 @@ type Pipeline struct {
 
 	mu       sync.Mutex
 	enrolled map[types.UID]*entry
-	locks    map[types.UID]*podLock
+	// held are pods a previous agent enrolled (they carry the redirection
+	// annotation, so their rules and ztunnel's proxy are in place) that
+	// this one could not restore yet: netns not found, no IPs in their
+	// status yet, namespace not known. See Restore.
+	held  map[types.UID]*heldPod
+	locks map[types.UID]*podLock
+}
+
+// heldPod is an enrolled pod whose netns the agent does not hold. Snapshots
+// send it as Keep, so ztunnel keeps the proxy the pod's rules point at; its
+// IPs stay exempted from the probe prune.
+type heldPod struct {
+	pod        types.NamespacedName
+	sandboxUID string
+	ips        []netip.Addr
+	info       zds.Workload // NetNS nil: sent as Keep
 }
 
 // podLock serialises the operations on one pod; it lives while someone
@@ -130,7 +145,7 @@ func New(cfg Config) *Pipeline {
 		log = slog.Default()
 	}
 	return &Pipeline{cfg: cfg, log: log.With("component", "enroll"),
-		enrolled: map[types.UID]*entry{}, locks: map[types.UID]*podLock{}}
+		enrolled: map[types.UID]*entry{}, held: map[types.UID]*heldPod{}, locks: map[types.UID]*podLock{}}
 }
 
 func (p *Pipeline) lock(uid types.UID) func() {
@@ -337,6 +352,8 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 			}
 		}
 	}
+	// Enrolled with a netns now: its Add has replaced the Keep.
+	p.setHeld(pod.UID, nil)
 	p.cfg.Annotations.Set(key, AnnotationEnabled)
 	p.log.Info("pod enrolled", "pod", key, "uid", pod.UID, "netns", id, "containerID", sb.containerID, "ips", sb.ips)
 	return nil
@@ -362,6 +379,23 @@ func (p *Pipeline) entry(uid types.UID) *entry {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.enrolled[uid]
+}
+
+// setHeld holds the pod, or releases it when h is nil.
+func (p *Pipeline) setHeld(uid types.UID, h *heldPod) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if h == nil {
+		delete(p.held, uid)
+		return
+	}
+	p.held[uid] = h
+}
+
+func (p *Pipeline) heldPod(uid types.UID) *heldPod {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.held[uid]
 }
 
 // setEntry puts e in the table, or takes the pod out when e is nil.
@@ -491,6 +525,11 @@ func (p *Pipeline) Unenroll(ctx context.Context, uid types.UID) error {
 	defer p.lock(uid)()
 	e := p.entry(uid)
 	if e == nil {
+		if h := p.heldPod(uid); h != nil {
+			// Gone from the API (or inpod is being removed): its netns,
+			// if it still exists, is found by its status IPs.
+			return p.release(ctx, uid, h, h.ips, false)
+		}
 		return nil
 	}
 	return p.unenroll(ctx, uid, e)
@@ -531,8 +570,11 @@ func (p *Pipeline) unenroll(ctx context.Context, uid types.UID, e *entry) error 
 // removed from the node), going on past failures.
 func (p *Pipeline) UnenrollAll(ctx context.Context) error {
 	p.mu.Lock()
-	uids := make([]types.UID, 0, len(p.enrolled))
+	uids := make([]types.UID, 0, len(p.enrolled)+len(p.held))
 	for uid := range p.enrolled {
+		uids = append(uids, uid)
+	}
+	for uid := range p.held {
 		uids = append(uids, uid)
 	}
 	p.mu.Unlock()
@@ -546,7 +588,7 @@ func (p *Pipeline) UnenrollAll(ctx context.Context) error {
 }
 
 // Snapshot lists every enrolled pod with its netns, for a ztunnel that
-// (re)connects. Each netns is a duplicate the server owns and closes once
+// (re)connects, and every held pod without one (sent as Keep). Each netns is a duplicate the server owns and closes once
 // sent: taken under p.mu, where no entry's file is closed, it survives an
 // unenroll or a re-enrollment that closes the table's file while the
 // snapshot is on its way.
@@ -566,7 +608,28 @@ func (p *Pipeline) Snapshot(context.Context) ([]zds.Workload, error) {
 		}
 		out = append(out, w)
 	}
+	for uid, h := range p.held {
+		// While its enrollment is under way the pod is in both; the
+		// Add speaks for it.
+		if _, ok := p.enrolled[uid]; !ok {
+			out = append(out, h.info)
+		}
+	}
 	return out, nil
+}
+
+// PruneSafe reports whether EnrolledIPs names every IP a pod of the mesh
+// may have: not while a held pod reports no IPs yet (the previous agent
+// exempted the IPs its ADD named, which nothing here knows).
+func (p *Pipeline) PruneSafe() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for uid, h := range p.held {
+		if _, ok := p.enrolled[uid]; !ok && len(h.ips) == 0 {
+			return false
+		}
+	}
+	return true
 }
 
 // IsEnrolled reports whether the pod is in the table.
@@ -577,13 +640,17 @@ func (p *Pipeline) IsEnrolled(uid types.UID) bool {
 	return ok
 }
 
-// EnrolledIPs lists every enrolled pod's IPs, for pruning the probe set.
+// EnrolledIPs lists every enrolled or held pod's IPs, for pruning the probe
+// set: a held pod's rules still send its probes through ztunnel.
 func (p *Pipeline) EnrolledIPs() []netip.Addr {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var out []netip.Addr
 	for _, e := range p.enrolled {
 		out = append(out, e.ips...)
+	}
+	for _, h := range p.held {
+		out = append(out, h.ips...)
 	}
 	return out
 }
@@ -593,16 +660,59 @@ func (p *Pipeline) EnrolledIPs() []netip.Addr {
 // restarted agent never disturbs running traffic), unenrolled or finished
 // ones are removed, and an enrolled pod whose sandbox changed without a CNI
 // ADD reaching inpod is re-enrolled with its new netns. A pod whose
-// namespace is not known is left as it is (the error retries it).
+// namespace is not known is left as it is (the error retries it). A held
+// pod (see Restore) stays held until it is restored or removed; every
+// reconcile of it that does not settle it returns an error, so it retries.
 func (p *Pipeline) Reconcile(ctx context.Context, pod *corev1.Pod) error {
+	return p.reconcile(ctx, pod, false)
+}
+
+// Restore is Reconcile for an agent that starts: a pod carrying the
+// redirection annotation was enrolled by a previous agent, so its rules
+// point at a proxy ztunnel still runs. If it is (or may be) still wanted
+// but cannot be restored yet (netns not found, no IPs in its status yet,
+// namespace not known), it is held: in every snapshot as Keep, so ztunnel
+// keeps its proxy, and its IPs kept out of the probe prune. If it is known
+// to be unwanted now (un-labelled while no agent ran), its rules come out,
+// ztunnel is told and the annotation goes; while its netns cannot be found
+// it is held as well, since dropping the proxy under its rules would
+// black-hole a pod outside the mesh.
+func (p *Pipeline) Restore(ctx context.Context, pod *corev1.Pod) error {
+	return p.reconcile(ctx, pod, true)
+}
+
+func annotated(pod *corev1.Pod) bool {
+	v := pod.Annotations[RedirectionAnnotation]
+	return v == AnnotationEnabled || v == AnnotationPending
+}
+
+func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring bool) error {
 	defer p.lock(pod.UID)()
+	h := p.heldPod(pod.UID)
+	// hold keeps a pod that was in the mesh before this agent and is not
+	// in its table in every snapshot (as Keep) until it is settled.
+	hold := func(ips []netip.Addr) {
+		if h == nil && !(restoring && annotated(pod)) || p.entry(pod.UID) != nil {
+			return
+		}
+		if len(ips) == 0 && h != nil {
+			ips = h.ips
+		}
+		if h == nil {
+			p.log.Warn("holding a pod a previous agent enrolled until its netns is found: ztunnel keeps its proxy", "pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID, "ips", ips)
+		}
+		p.setHeld(pod.UID, &heldPod{pod: types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, sandboxUID: SandboxUID(pod), ips: ips,
+			info: zds.Workload{UID: string(pod.UID), Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName}})
+	}
 	// A terminating pod still runs (preStop hooks, draining) and stays in
 	// the mesh until it has finished, its sandbox's DEL comes, or it is
 	// gone from the API.
+	finished := pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed
 	want := false
-	if pod.Status.Phase != corev1.PodSucceeded && pod.Status.Phase != corev1.PodFailed {
+	if !finished {
 		var err error
 		if want, err = p.wants(ctx, pod); err != nil {
+			hold(podIPs(pod))
 			return err
 		}
 	}
@@ -611,21 +721,38 @@ func (p *Pipeline) Reconcile(ctx context.Context, pod *corev1.Pod) error {
 	case want && e == nil:
 		ips := podIPs(pod)
 		if len(ips) == 0 {
+			if h != nil || restoring && annotated(pod) {
+				hold(nil)
+				return fmt.Errorf("pod %s/%s was enrolled but reports no IPs yet, so its netns cannot be found; held (ztunnel keeps its proxy)", pod.Namespace, pod.Name)
+			}
 			// No sandbox network yet: the CNI ADD will enroll it.
 			return nil
 		}
 		f, err := p.cfg.Finder.Find(SandboxUID(pod), ips)
 		if err != nil {
+			hold(ips)
 			return p.report(pod, fail("NetnsNotFound", "find the running pod's netns: %v", err))
 		}
 		start := time.Now()
 		if err := p.enroll(ctx, pod, sandbox{netns: f, ips: ips}, false); err != nil {
+			hold(ips)
 			return err
 		}
 		p.cfg.Observer.Enrolled("reconcile", time.Since(start))
 		return nil
 	case !want && e != nil:
 		return p.unenroll(ctx, pod.UID, e)
+	case !want && (h != nil || restoring && annotated(pod)):
+		ips := podIPs(pod)
+		if h != nil {
+			ips = append(ips, h.ips...)
+		}
+		if err := p.release(ctx, pod.UID, &heldPod{pod: types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name},
+			sandboxUID: SandboxUID(pod), ips: ips}, podIPs(pod), !finished); err != nil {
+			hold(ips)
+			return err
+		}
+		return nil
 	case want && e != nil:
 		if p.sandboxMayHaveChanged(pod, e) {
 			if err := p.verifySandbox(ctx, pod, e); err != nil {
@@ -675,6 +802,50 @@ func (p *Pipeline) checked(e *entry) {
 	p.mu.Lock()
 	e.checkedAt = time.Now()
 	p.mu.Unlock()
+}
+
+// release takes a pod that is not in the table out of the mesh: its rules
+// out of the netns procfs finds for it by ips, ztunnel told, its probe
+// exemptions and annotation dropped. With running, a netns that cannot be
+// found is an error (the rules may still be there, and ztunnel's proxy
+// must stay under them); without, the sandbox is taken to be gone with its
+// rules. The pod's lock is held.
+func (p *Pipeline) release(ctx context.Context, uid types.UID, h *heldPod, ips []netip.Addr, running bool) error {
+	if len(ips) > 0 {
+		f, err := p.cfg.Finder.Find(h.sandboxUID, ips)
+		switch {
+		case err == nil:
+			_, err = p.cfg.Rules.Remove(f)
+			f.Close()
+			if err != nil {
+				return fmt.Errorf("remove the rules of pod %s: %w", h.pod, err)
+			}
+		case running:
+			return fmt.Errorf("pod %s left the mesh while no agent ran, and no netns of it holds %v, so its rules cannot be removed yet: %w", h.pod, ips, err)
+		}
+	} else if running {
+		return fmt.Errorf("pod %s left the mesh while no agent ran and reports no IPs yet, so its rules cannot be found", h.pod)
+	}
+	// Out of the snapshots before the Del goes out, as in unenroll.
+	old := p.heldPod(uid)
+	p.setHeld(uid, nil)
+	var errs []error
+	if err := p.cfg.Ztunnel.Del(ctx, string(uid)); err != nil {
+		errs = append(errs, fmt.Errorf("tell ztunnel: %w", err))
+	}
+	for _, ip := range h.ips {
+		if err := p.cfg.Probes.Remove(ip); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		p.setHeld(uid, old)
+		return err
+	}
+	p.cfg.Annotations.Set(h.pod, "")
+	p.cfg.Observer.Removed()
+	p.log.Info("pod a previous agent enrolled removed from the mesh", "pod", h.pod, "uid", uid)
+	return nil
 }
 
 // verifySandbox looks for the enrolled pod's sandbox through procfs (a
@@ -741,7 +912,7 @@ func (p *Pipeline) Close() {
 	}
 }
 
-// UIDsOf lists the enrolled pods of a name: more than one when a pod was
+// UIDsOf lists the enrolled and held pods of a name: more than one when a pod was
 // deleted and recreated under its name (a StatefulSet's) and the old one's
 // removal was missed.
 func (p *Pipeline) UIDsOf(pod types.NamespacedName) []types.UID {
@@ -750,6 +921,11 @@ func (p *Pipeline) UIDsOf(pod types.NamespacedName) []types.UID {
 	var out []types.UID
 	for uid, e := range p.enrolled {
 		if e.pod == pod {
+			out = append(out, uid)
+		}
+	}
+	for uid, h := range p.held {
+		if h.pod == pod {
 			out = append(out, uid)
 		}
 	}
@@ -768,13 +944,19 @@ func (p *Pipeline) UIDOf(pod types.NamespacedName) (types.UID, bool) {
 	return "", false
 }
 
-// Enrolled lists the enrolled pods by name, for the periodic sandbox check.
+// Enrolled lists the enrolled and held pods by name, for the periodic
+// sandbox check.
 func (p *Pipeline) Enrolled() []types.NamespacedName {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	out := make([]types.NamespacedName, 0, len(p.enrolled))
+	out := make([]types.NamespacedName, 0, len(p.enrolled)+len(p.held))
 	for _, e := range p.enrolled {
 		out = append(out, e.pod)
+	}
+	// A held pod is retried by the same check until it is restored or
+	// gone.
+	for _, h := range p.held {
+		out = append(out, h.pod)
 	}
 	return out
 }

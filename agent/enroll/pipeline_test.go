@@ -122,6 +122,9 @@ type fixture struct {
 	rec    *recorder
 	probes *probes
 	sock   string
+	log    *slog.Logger
+	// stopServer stops the ZDS server of the running pipeline.
+	stopServer func()
 }
 
 func newFixture(t *testing.T) *fixture {
@@ -140,7 +143,15 @@ func newFixture(t *testing.T) *fixture {
 		rec:  &recorder{annots: map[types.NamespacedName]string{}},
 		sock: filepath.Join(testkit.ShortTempDir(t, "enroll-"), "ztunnel.sock"),
 	}
-	log := slog.New(slog.NewTextHandler(tlog{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	f.log = slog.New(slog.NewTextHandler(tlog{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	f.startAgent(nil)
+	return f
+}
+
+// startAgent builds a pipeline and its ZDS server on f's pieces, as the
+// agent does at start: restore, when given, runs before ztunnel is served.
+func (f *fixture) startAgent(restore func()) {
+	t := f.t
 	var srv *zds.Server
 	f.p = enroll.New(enroll.Config{
 		Rules:       nftRules{redirect.NewEngine(redirect.NewNFTables())},
@@ -151,12 +162,15 @@ func newFixture(t *testing.T) *fixture {
 		Annotations: f.rec,
 		Events:      f.rec,
 		Observer:    f.rec,
-		Logger:      log,
+		Logger:      f.log,
 	})
 	t.Cleanup(f.p.Close)
-	srv, err := zds.NewServer(zds.Config{SocketPath: f.sock, Source: f.p, Logger: log})
+	srv, err := zds.NewServer(zds.Config{SocketPath: f.sock, Source: f.p, Logger: f.log})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if restore != nil {
+		restore()
 	}
 	if err := srv.Listen(); err != nil {
 		t.Fatal(err)
@@ -164,8 +178,8 @@ func newFixture(t *testing.T) *fixture {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { srv.Serve(ctx); close(done) }()
-	t.Cleanup(func() { cancel(); <-done })
-	return f
+	f.stopServer = func() { cancel(); <-done }
+	t.Cleanup(f.stopServer)
 }
 
 // ztunnelRef lets the pipeline be built before the server that reads it.

@@ -1,0 +1,208 @@
+package enroll_test
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"slices"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/internal/testkit"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
+)
+
+// restart replaces the agent as a restart does (agent.restore): the old
+// pipeline's ZDS server stops and its fds close (rules and ztunnel's proxies
+// stay), a new pipeline restores every pod of the cache and prunes the probe
+// set when it may, and
+// only then is ztunnel served again. It waits for z's snapshot from the new
+// agent.
+func (f *fixture) restart(z *ztunnel.Standin) {
+	f.t.Helper()
+	f.stopServer()
+	f.p.Close()
+	connects := z.Connects()
+	f.startAgent(func() {
+		f.cache.mu.Lock()
+		pods := make([]*corev1.Pod, 0, len(f.cache.pods))
+		for _, p := range f.cache.pods {
+			pods = append(pods, p)
+		}
+		f.cache.mu.Unlock()
+		for _, p := range pods {
+			if err := f.p.Restore(context.Background(), p); err != nil {
+				f.t.Logf("restore %s/%s: %v", p.Namespace, p.Name, err)
+			}
+		}
+		if !f.p.PruneSafe() {
+			return
+		}
+		if err := f.probes.Prune(f.p.EnrolledIPs()); err != nil {
+			f.t.Fatal(err)
+		}
+	})
+	testkit.Eventually(f.t, waitFor, "the stand-in's snapshot from the restarted agent", func() bool {
+		return z.Connects() > connects && z.SnapshotDone()
+	})
+}
+
+// annotate sets the pod's redirection annotation in the cache, as the
+// previous agent's patch left it.
+func (f *fixture) annotate(pod *corev1.Pod, value string) *corev1.Pod {
+	p := pod.DeepCopy()
+	if p.Annotations == nil {
+		p.Annotations = map[string]string{}
+	}
+	p.Annotations[enroll.RedirectionAnnotation] = value
+	f.cache.mu.Lock()
+	f.cache.pods[p.Namespace+"/"+p.Name] = p
+	f.cache.mu.Unlock()
+	return p
+}
+
+func (f *fixture) exempted(ip netip.Addr) bool {
+	f.t.Helper()
+	members, err := f.probes.Members()
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return slices.Contains(members, ip)
+}
+
+// Invariant 2 across a restart: a pod the previous agent enrolled, whose
+// netns the new one cannot find yet (procfs finds no process of it; or its
+// status has no IPs yet, right after the ADD), keeps ztunnel's proxy (the
+// snapshot names it with Keep) and its probe exemption, since its rules
+// still point at both. Once its netns is found it is restored for real.
+func TestRestartKeepsAnEnrolledPodWhoseNetnsIsNotFound(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	pod, sb := f.pod("mesh", "unfound", nil), f.sandbox()
+	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	// No process of the pod runs in sb: procfs cannot find its netns.
+	running := f.annotate(f.running(pod, sb), enroll.AnnotationEnabled)
+	fresh, freshSB := f.pod("mesh", "no-ips-yet", nil), f.sandbox()
+	if out, err := f.add(fresh, freshSB, "c2"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	// The kubelet has not reported its IPs yet.
+	f.annotate(fresh, enroll.AnnotationPending)
+
+	f.restart(z)
+	for _, c := range []struct {
+		pod *corev1.Pod
+		sb  sandbox
+	}{{pod, sb}, {fresh, freshSB}} {
+		if _, ok := inZtunnel(z, c.pod); !ok {
+			t.Errorf("ztunnel dropped the proxy of %s, whose rules are in place: its traffic is black-holed", c.pod.Name)
+		}
+		if !hasRules(t, c.sb) {
+			t.Errorf("the rules of %s are gone", c.pod.Name)
+		}
+		if !f.exempted(c.sb.ip) {
+			t.Errorf("the probe exemption of %s (%s) was pruned: its probes go to a proxy", c.pod.Name, c.sb.ip)
+		}
+	}
+	if errs := z.ProtocolErrors(); len(errs) != 0 {
+		t.Fatalf("protocol errors: %v", errs)
+	}
+
+	// Its netns turns up: the reconciler's retry restores it with its fd.
+	runInPod(t, sb, pod.UID)
+	if err := f.p.Reconcile(context.Background(), running); err != nil {
+		t.Fatal(err)
+	}
+	if !f.p.IsEnrolled(pod.UID) {
+		t.Fatal("the held pod was not restored once its netns was found")
+	}
+	later, _ := f.standin(ztunnel.Config{})
+	if id, ok := inZtunnel(later, pod); !ok || id != identity(t, sb) {
+		t.Fatalf("a later snapshot sends netns %v (%v); want the pod's %v", id, ok, identity(t, sb))
+	}
+	// The other one finishes: it leaves the snapshots.
+	done := fresh.DeepCopy()
+	done.Status.Phase = corev1.PodSucceeded
+	if err := f.p.Reconcile(context.Background(), done); err != nil {
+		t.Fatal(err)
+	}
+	if slices.Contains(f.p.Enrolled(), types.NamespacedName{Namespace: "mesh", Name: "no-ips-yet"}) {
+		t.Fatal("a finished held pod is still held")
+	}
+}
+
+// A pod enrolled by the previous agent whose namespace lost its label while
+// no agent ran leaves the mesh at restart: rules out of its netns (found
+// through procfs), annotation removed, proxy and exemption gone. Left alone,
+// its rules would point at a proxy the new snapshot drops.
+func TestRestartRemovesAPodUnlabelledWhileNoAgentRan(t *testing.T) {
+	f := newFixture(t)
+	f.cache.mu.Lock()
+	f.cache.namespaces["leaving"] = &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving",
+		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}}
+	f.cache.mu.Unlock()
+	z, _ := f.standin(ztunnel.Config{})
+	pod, sb := f.pod("leaving", "app", nil), f.sandbox()
+	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	runInPod(t, sb, pod.UID)
+	f.annotate(f.running(pod, sb), enroll.AnnotationEnabled)
+	f.cache.mu.Lock()
+	f.cache.namespaces["leaving"] = &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving"}}
+	f.cache.mu.Unlock()
+
+	f.restart(z)
+	if hasRules(t, sb) {
+		t.Fatal("the pod left the mesh while no agent ran, and still has its rules after the restart: it is blocked")
+	}
+	if _, ok := inZtunnel(z, pod); ok {
+		t.Error("ztunnel still runs a proxy for a pod outside the mesh")
+	}
+	if f.exempted(sb.ip) {
+		t.Error("the pod outside the mesh keeps its probe exemption")
+	}
+	f.rec.mu.Lock()
+	got, ok := f.rec.annots[types.NamespacedName{Namespace: "leaving", Name: "app"}]
+	f.rec.mu.Unlock()
+	if !ok || got != "" {
+		t.Errorf("annotation left at %q (%v); want it removed", got, ok)
+	}
+	if f.p.IsEnrolled(pod.UID) || len(f.p.Enrolled()) != 0 {
+		t.Errorf("pod still tracked: %v", f.p.Enrolled())
+	}
+}
+
+// Invariant 1 at restart: a pod the previous agent enrolled whose namespace
+// cannot be known yet is held (ztunnel keeps its proxy) rather than dropped
+// or taken for unenrolled, and restored once the namespace is known.
+func TestRestartHoldsAPodWhoseNamespaceIsUnknown(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	pod, sb := f.pod("mesh", "undecided", nil), f.sandbox()
+	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	runInPod(t, sb, pod.UID)
+	running := f.annotate(f.running(pod, sb), enroll.AnnotationEnabled)
+	f.cache.loseNamespaces(errors.New("namespace watch not synced and the API server unreachable"))
+
+	f.restart(z)
+	if _, ok := inZtunnel(z, pod); !ok || !hasRules(t, sb) || !f.exempted(sb.ip) {
+		t.Fatalf("a pod whose namespace is unknown lost its proxy (%v), rules (%v) or probe exemption (%v) at restart", ok, hasRules(t, sb), f.exempted(sb.ip))
+	}
+	f.cache.loseNamespaces(nil)
+	if err := f.p.Reconcile(context.Background(), running); err != nil {
+		t.Fatal(err)
+	}
+	if id, ok := inZtunnel(z, pod); !ok || id != identity(t, sb) || !f.p.IsEnrolled(pod.UID) {
+		t.Fatalf("not restored once the namespace is known: ztunnel %v (%v), enrolled %v", id, ok, f.p.IsEnrolled(pod.UID))
+	}
+}

@@ -1,0 +1,103 @@
+//go:build integration
+
+package agent_test
+
+import (
+	"context"
+	"net/netip"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"syscall"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/agent/redirect"
+)
+
+// A killed agent's successor disturbs no enrolled pod's traffic even when it
+// cannot find the pod's netns (no process of it in its cgroup): ztunnel
+// keeps the proxy (snapshot Keep) and the probe exemption stays. A pod whose
+// namespace lost its label while no agent ran leaves the mesh: rules,
+// proxy, annotation.
+func TestIntegrationRestartHoldsAnUnfoundPodAndReleasesAnUnlabelledOne(t *testing.T) {
+	w := newWorld(t)
+	ctx := context.Background()
+	if _, err := w.client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving",
+		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(t.TempDir(), "inpod-agent")
+	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/inpod-agent").CombinedOutput(); err != nil {
+		t.Fatalf("build inpod-agent: %v: %s", err, out)
+	}
+	first := w.startAgentProcess(bin)
+
+	unfound, unfoundNS := w.pod("mesh", "unfound")
+	res, err := w.cniAdd(unfound, unfoundNS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unfoundIP := res.IPs[0].Address.IP.String()
+	w.setRunning(unfound, unfoundIP) // and no process in its cgroup
+	leaving, leavingNS := w.pod("leaving", "app")
+	res, err = w.cniAdd(leaving, leavingNS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	leavingIP := res.IPs[0].Address.IP.String()
+	w.setRunning(leaving, leavingIP)
+	runInPodCgroup(t, leavingNS, string(leaving.UID))
+	w.eventually("both pods annotated enabled", func() bool {
+		return w.annotation(unfound) == enroll.AnnotationEnabled && w.annotation(leaving) == enroll.AnnotationEnabled
+	})
+
+	first.cmd.Process.Signal(syscall.SIGKILL)
+	first.cmd.Wait()
+	ns, err := w.client.CoreV1().Namespaces().Get(ctx, "leaving", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns.Labels = nil
+	if _, err := w.client.CoreV1().Namespaces().Update(ctx, ns, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	connects := w.standin.Connects()
+	w.startAgentProcess(bin)
+	w.eventually("ztunnel reconnected and re-snapshotted", func() bool {
+		return w.standin.Connects() > connects && w.standin.SnapshotDone()
+	})
+
+	if _, ok := w.standin.Workloads()[string(unfound.UID)]; !ok {
+		t.Error("the restarted agent's snapshot dropped an enrolled pod whose netns it could not find: its traffic is black-holed")
+	}
+	if !hasRules(t, unfoundNS) {
+		t.Error("the unfound pod lost its rules")
+	}
+	probes := redirect.NewHostProbes(w.nodeNS)
+	members, err := probes.Members()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(members, netip.MustParseAddr(unfoundIP)) {
+		t.Errorf("the unfound pod's probe exemption was pruned (%v): its probes go to the proxy", members)
+	}
+	if errs := w.standin.ProtocolErrors(); len(errs) > 0 {
+		t.Fatalf("protocol errors: %v", errs)
+	}
+
+	w.eventually("the un-labelled pod out of the mesh", func() bool {
+		_, inZtunnel := w.standin.Workloads()[string(leaving.UID)]
+		return !hasRules(t, leavingNS) && !inZtunnel && w.annotation(leaving) == ""
+	})
+	members, err = probes.Members()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if slices.Contains(members, netip.MustParseAddr(leavingIP)) {
+		t.Errorf("the un-labelled pod keeps its probe exemption: %v", members)
+	}
+}
