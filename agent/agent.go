@@ -89,7 +89,7 @@ type Config struct {
 	PluginServiceAccount string
 
 	// Gate is how scheduling follows readiness: a comma list of gates
-	// (see newGates); empty means "deviceplugin", "none" no gate.
+	// (see gateList); empty means "deviceplugin", "none" no gate.
 	Gate string
 	// DevicePlugin configures the device-plugin gate; its Observer, Logger
 	// and DevicesFrom are filled in by the agent.
@@ -146,15 +146,17 @@ func New(cfg Config) (*Agent, error) {
 	a := &Agent{cfg: cfg, log: log, Metrics: observe.NewMetrics(),
 		Ready: readiness.New(log, readiness.CNIInstalled, readiness.ZtunnelConnected, readiness.PodsSynced)}
 	a.Ready.OnChange(a.Metrics.Readiness)
-	gates, err := a.newGates(cfg.Gate)
+	gates, err := gateList(cfg.Gate)
 	if err != nil {
 		return nil, err
 	}
-	a.gates = gates
 	if a.restCfg, err = loadRestConfig(cfg.Kubeconfig); err != nil {
 		return nil, err
 	}
 	if a.client, err = kubernetes.NewForConfig(a.restCfg); err != nil {
+		return nil, err
+	}
+	if a.gates, err = a.newGates(gates); err != nil {
 		return nil, err
 	}
 	return a, nil

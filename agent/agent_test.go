@@ -14,7 +14,7 @@ func TestNewRejectsGatesItCannotBuild(t *testing.T) {
 		{"bogus", `unknown gate "bogus"`},
 		{"deviceplugin,bogus", `unknown gate "bogus"`},
 		{"dra", `gate "dra" is not available`},
-		{"node-condition", `gate "node-condition" is not available`},
+		{"node-condition,bogus", `unknown gate "bogus"`},
 		{"none,deviceplugin", "none cannot be combined"},
 		{"deviceplugin,deviceplugin", "twice"},
 	} {

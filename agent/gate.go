@@ -7,11 +7,12 @@ import (
 	"strings"
 
 	"github.com/inpod-dev/inpod/deviceplugin"
+	"github.com/inpod-dev/inpod/nodecondition"
 	"github.com/inpod-dev/inpod/readiness"
 )
 
-// Gate makes scheduling onto this node follow readiness (deviceplugin
-// today; DRA and the Node condition next). The agent runs every configured
+// Gate makes scheduling onto this node follow readiness (deviceplugin,
+// node-condition; DRA next). The agent runs every configured
 // gate alongside its other pieces: Run follows ready until ctx ends, and
 // its error stops the agent.
 type Gate interface {
@@ -22,44 +23,65 @@ type Gate interface {
 
 // gateNames are the --gate values the agent can build; "none" is the empty
 // list.
-var gateNames = []string{"deviceplugin"}
+var gateNames = []string{"deviceplugin", "node-condition"}
 
 // laterGates are named by the design but not built yet.
-var laterGates = []string{"dra", "node-condition"}
+var laterGates = []string{"dra"}
 
-// newGates builds the gates of a --gate list, before anything runs: an
-// unknown name fails New. A new gate is one case here.
-func (a *Agent) newGates(list string) ([]Gate, error) {
+// gateList checks a --gate list before anything is built (New calls it
+// before it needs a cluster): an unknown name fails New.
+func gateList(list string) ([]string, error) {
 	if strings.TrimSpace(list) == "" {
 		list = "deviceplugin"
 	}
-	var gates []Gate
 	var names []string
 	for name := range strings.SplitSeq(list, ",") {
 		name = strings.TrimSpace(name)
 		if slices.Contains(names, name) {
 			return nil, fmt.Errorf("agent: --gate %q names %q twice", list, name)
 		}
-		names = append(names, name)
 		switch {
-		case name == "none":
-			continue
-		case name == "deviceplugin":
-			cfg := a.cfg.DevicePlugin
-			cfg.Observer, cfg.Logger, cfg.DevicesFrom = a.Metrics, a.log, a.podCapacity
-			dp, err := deviceplugin.New(cfg)
-			if err != nil {
-				return nil, err
-			}
-			gates = append(gates, dp)
+		case name == "none" || slices.Contains(gateNames, name):
 		case slices.Contains(laterGates, name):
 			return nil, fmt.Errorf("agent: gate %q is not available in this version (want %s, or none)", name, strings.Join(gateNames, ", "))
 		default:
 			return nil, fmt.Errorf("agent: unknown gate %q (want %s, or none)", name, strings.Join(gateNames, ", "))
 		}
+		names = append(names, name)
 	}
 	if slices.Contains(names, "none") && len(names) > 1 {
 		return nil, fmt.Errorf("agent: --gate %q: none cannot be combined with a gate", list)
+	}
+	return names, nil
+}
+
+// newGates builds the gates of a checked list, before anything runs (after
+// the API client: the node-condition gate writes through it). A new gate
+// is one name in gateNames and one case here.
+func (a *Agent) newGates(names []string) ([]Gate, error) {
+	var gates []Gate
+	for _, name := range names {
+		var (
+			g   Gate
+			err error
+		)
+		switch name {
+		case "none":
+			continue
+		case "deviceplugin":
+			cfg := a.cfg.DevicePlugin
+			cfg.Observer, cfg.Logger, cfg.DevicesFrom = a.Metrics, a.log, a.podCapacity
+			g, err = deviceplugin.New(cfg)
+		case "node-condition":
+			g, err = nodecondition.New(nodecondition.Config{Client: a.client, NodeName: a.cfg.NodeName,
+				Observer: a.Metrics, Logger: a.log})
+		default:
+			err = fmt.Errorf("agent: gate %q has no constructor", name)
+		}
+		if err != nil {
+			return nil, err
+		}
+		gates = append(gates, g)
 	}
 	return gates, nil
 }

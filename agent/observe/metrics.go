@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	corev1 "k8s.io/api/core/v1"
 
 	"github.com/inpod-dev/inpod/readiness"
 )
@@ -32,6 +33,8 @@ type Metrics struct {
 	cniRepairs        prometheus.Counter
 	gateRegistrations *prometheus.CounterVec
 	gateHealthFlips   *prometheus.CounterVec
+	conditionWrites   *prometheus.CounterVec
+	conditionFailures prometheus.Counter
 
 	mu        sync.Mutex
 	published bool
@@ -64,8 +67,12 @@ func NewMetrics() *Metrics {
 			Help: "Registrations with the kubelet (kind: first, again)."}, []string{"kind"}),
 		gateHealthFlips: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_deviceplugin_health_changes_total",
 			Help: "Changes of the advertised devices' health."}, []string{"to"}),
+		conditionWrites: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_node_condition_writes_total",
+			Help: "Writes of the Node condition InPodRedirectionReady by the node-condition gate, by status (True, False)."}, []string{"status"}),
+		conditionFailures: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_node_condition_write_failures_total",
+			Help: "Failed reads or writes of the Node condition (each is retried with backoff)."}),
 	}
-	r.MustRegister(m.gateRegistrations, m.gateHealthFlips, m.enrollments, m.failures, m.removals, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
+	r.MustRegister(m.gateRegistrations, m.gateHealthFlips, m.conditionWrites, m.conditionFailures, m.enrollments, m.failures, m.removals, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -102,6 +109,14 @@ func (m *Metrics) HealthChanged(healthy bool) {
 	}
 	m.gateHealthFlips.WithLabelValues(to).Inc()
 }
+
+// ConditionWritten implements nodecondition.Observer.
+func (m *Metrics) ConditionWritten(status corev1.ConditionStatus) {
+	m.conditionWrites.WithLabelValues(string(status)).Inc()
+}
+
+// ConditionWriteFailed implements nodecondition.Observer.
+func (m *Metrics) ConditionWriteFailed() { m.conditionFailures.Inc() }
 
 // CNIRepaired counts a repair.
 func (m *Metrics) CNIRepaired() { m.cniRepairs.Inc() }

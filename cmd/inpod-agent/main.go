@@ -48,7 +48,7 @@ func run() error {
 	fs.StringVar(&cfg.HostNetNS, "host-netns", "/proc/self/ns/net", "the node's network namespace (for the kubelet probe rules and backend detection)")
 	fs.StringVar(&cfg.HealthAddr, "health-addr", ":15021", "address of /healthz and /readyz")
 	fs.StringVar(&cfg.MetricsAddr, "metrics-addr", ":15020", "address of /metrics")
-	fs.StringVar(&cfg.Gate, "gate", "deviceplugin", "how scheduling follows readiness: a comma list of gates (deviceplugin), or none")
+	fs.StringVar(&cfg.Gate, "gate", "deviceplugin", "how scheduling follows readiness: a comma list of gates, or none. deviceplugin: the extended resource --resource-name, Healthy only while ready; node-condition: the Node condition InPodRedirectionReady, written on each readiness change (for inpod-controller or node-readiness-controller; needs patch on nodes/status)")
 	fs.StringVar(&cfg.PodName, "pod-name", "", "the agent's own pod (downward API metadata.name): at shutdown, if the DaemonSet controlling it (by UID) is gone or being deleted and no other inpod agent serves this node, the agent removes inpod from the node (CNI plugin and config, pod rules); empty: never")
 	fs.StringVar(&cfg.PodNamespace, "pod-namespace", "", "the agent's namespace (downward API metadata.namespace); holds its pod and the plugin's ServiceAccount")
 	fs.StringVar(&cfg.AgentSelector, "agent-selector", agent.DefaultAgentSelector, "label selector of inpod agent pods (any installation); another one on this node keeps an uninstall from removing inpod here")

@@ -1,0 +1,319 @@
+//go:build integration
+
+package nodecondition
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+
+	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/internal/testkit"
+	"github.com/inpod-dev/inpod/readiness"
+)
+
+const nodeName = "node-a"
+
+// counter is the gate's Observer.
+type counter struct {
+	mu       sync.Mutex
+	written  map[corev1.ConditionStatus]int
+	failures int
+}
+
+func (c *counter) ConditionWritten(s corev1.ConditionStatus) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.written == nil {
+		c.written = map[corev1.ConditionStatus]int{}
+	}
+	c.written[s]++
+}
+
+func (c *counter) ConditionWriteFailed() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.failures++
+}
+
+func (c *counter) writes() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.written[corev1.ConditionTrue] + c.written[corev1.ConditionFalse]
+}
+
+func (c *counter) failed() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.failures
+}
+
+type world struct {
+	t     *testing.T
+	cp    *cluster.ControlPlane
+	admin kubernetes.Interface
+	// agent has exactly the rights deploy/rbac/agent.yaml gives the agent.
+	agent kubernetes.Interface
+	ready *readiness.Aggregate
+}
+
+// kubeletReady is the kubelet's condition the gate must never touch.
+var kubeletReady = corev1.NodeCondition{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "KubeletReady",
+	Message: "kubelet is posting ready status", LastHeartbeatTime: metav1.Unix(1_700_000_000, 0), LastTransitionTime: metav1.Unix(1_700_000_000, 0)}
+
+func newWorld(t *testing.T) *world {
+	t.Helper()
+	ctx := context.Background()
+	cp, err := cluster.StartControlPlane(ctx, cluster.Config{Root: filepath.Join(t.TempDir(), "cp")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cp.Stop() })
+	w := &world{t: t, cp: cp, admin: cp.Client,
+		ready: readiness.New(nil, readiness.CNIInstalled, readiness.ZtunnelConnected, readiness.PodsSynced)}
+	w.applyAgentRBAC()
+	rc := rest.CopyConfig(cp.Rest)
+	rc.Impersonate = rest.ImpersonationConfig{UserName: "system:serviceaccount:inpod-system:inpod-agent"}
+	if w.agent, err = kubernetes.NewForConfig(rc); err != nil {
+		t.Fatal(err)
+	}
+	node, err := w.admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.Status.Conditions = []corev1.NodeCondition{kubeletReady}
+	if _, err := w.admin.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	return w
+}
+
+// applyAgentRBAC creates the cluster-wide objects of deploy/rbac/agent.yaml
+// as shipped (the gate needs only those).
+func (w *world) applyAgentRBAC() {
+	ctx := context.Background()
+	data, err := os.ReadFile(filepath.Join(testkit.RepoDir(w.t), "deploy", "rbac", "agent.yaml"))
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	for _, doc := range strings.Split(string(data), "\n---\n") {
+		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
+		if err != nil {
+			w.t.Fatal(err)
+		}
+		switch o := obj.(type) {
+		case *rbacv1.ClusterRole:
+			_, err = w.admin.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.ClusterRoleBinding:
+			_, err = w.admin.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
+		}
+		if err != nil {
+			w.t.Fatal(err)
+		}
+	}
+}
+
+// start runs a gate until the test ends or stop is called; stop waits for
+// Run to return.
+func (w *world) start(obs *counter, clock func() time.Time) (stop func()) {
+	w.t.Helper()
+	g, err := New(Config{Client: w.agent, NodeName: nodeName, Observer: obs,
+		MinBackoff: 20 * time.Millisecond, MaxBackoff: 300 * time.Millisecond})
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	if clock != nil {
+		g.now = clock
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- g.Run(ctx, w.ready) }()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				w.t.Errorf("Run: %v", err)
+			}
+		})
+	}
+	w.t.Cleanup(stop)
+	return stop
+}
+
+func (w *world) node() *corev1.Node {
+	w.t.Helper()
+	n, err := w.admin.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	return n
+}
+
+func find(n *corev1.Node, typ corev1.NodeConditionType) *corev1.NodeCondition {
+	for i := range n.Status.Conditions {
+		if n.Status.Conditions[i].Type == typ {
+			return &n.Status.Conditions[i]
+		}
+	}
+	return nil
+}
+
+// waitCondition waits until the Node's condition has status and reason and
+// returns it, checking the kubelet's condition is as the test last set it.
+func (w *world) waitCondition(status corev1.ConditionStatus, reason string, kubelet corev1.NodeCondition) corev1.NodeCondition {
+	w.t.Helper()
+	var got corev1.NodeCondition
+	testkit.Eventually(w.t, 30*time.Second, "condition "+string(status)+"/"+reason, func() bool {
+		n := w.node()
+		c := find(n, ConditionType)
+		if c == nil || c.Status != status || c.Reason != reason {
+			return false
+		}
+		got = *c
+		return true
+	})
+	n := w.node()
+	k := find(n, corev1.NodeReady)
+	if k == nil || k.Status != kubelet.Status || k.Message != kubelet.Message || !k.LastHeartbeatTime.Equal(&kubelet.LastHeartbeatTime) {
+		w.t.Fatalf("the kubelet's Ready condition changed: %+v, want %+v", k, kubelet)
+	}
+	if len(n.Status.Conditions) != 2 {
+		w.t.Fatalf("conditions: %+v, want only Ready and %s", n.Status.Conditions, ConditionType)
+	}
+	return got
+}
+
+// fakeClock advances a minute per reading, so every write has a distinct
+// time at the API's one-second resolution.
+func fakeClock() func() time.Time {
+	var mu sync.Mutex
+	t := time.Unix(1_800_000_000, 0)
+	return func() time.Time {
+		mu.Lock()
+		defer mu.Unlock()
+		t = t.Add(time.Minute)
+		return t
+	}
+}
+
+func TestIntegrationNodeConditionFollowsReadiness(t *testing.T) {
+	w := newWorld(t)
+	obs := &counter{}
+	clock := fakeClock()
+	stop := w.start(obs, clock)
+
+	// At start nothing holds: False, the first failing reason, every
+	// missing condition named.
+	c := w.waitCondition(corev1.ConditionFalse, ReasonCNINotInstalled, kubeletReady)
+	for _, s := range []string{"cni-installed", "ztunnel-connected", "pods-synced"} {
+		if !strings.Contains(c.Message, s) {
+			t.Fatalf("message %q does not name %s", c.Message, s)
+		}
+	}
+	firstFalse := c.LastTransitionTime
+
+	// The kubelet rewrites its conditions between the gate's writes.
+	n := w.node()
+	kubelet := kubeletReady
+	kubelet.Message, kubelet.LastHeartbeatTime = "kubelet is posting ready status (again)", metav1.Unix(1_700_000_100, 0)
+	*find(n, corev1.NodeReady) = kubelet
+	if _, err := w.admin.CoreV1().Nodes().UpdateStatus(context.Background(), n, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	// A new reason with the same status is not a transition.
+	w.ready.Set(readiness.CNIInstalled, true, "installed")
+	w.ready.Set(readiness.PodsSynced, true, "synced")
+	c = w.waitCondition(corev1.ConditionFalse, ReasonZtunnelNotConnected, kubelet)
+	if !c.LastTransitionTime.Equal(&firstFalse) {
+		t.Fatalf("lastTransitionTime moved from %s to %s without a status change", firstFalse, c.LastTransitionTime)
+	}
+	if strings.Contains(c.Message, "cni-installed") || !strings.Contains(c.Message, "ztunnel-connected") {
+		t.Fatalf("message %q: want only the ztunnel named", c.Message)
+	}
+
+	w.ready.Set(readiness.ZtunnelConnected, true, "1 connection")
+	c = w.waitCondition(corev1.ConditionTrue, ReasonReady, kubelet)
+	if !c.LastTransitionTime.After(firstFalse.Time) {
+		t.Fatalf("lastTransitionTime %s did not move on False→True (was %s)", c.LastTransitionTime, firstFalse)
+	}
+	trueSince := c.LastTransitionTime
+
+	// Stopping the gate writes nothing (no False from a stopping agent).
+	rv := w.node().ResourceVersion
+	stop()
+	if got := w.node().ResourceVersion; got != rv {
+		t.Fatalf("the Node changed when the gate stopped (resourceVersion %s → %s): %+v", rv, got, find(w.node(), ConditionType))
+	}
+
+	// A new gate on the same state (an agent restart) finds the condition
+	// already right and writes nothing: the only write it makes is for
+	// the next change. Run handles states in order, so had it written the
+	// first, it would count two.
+	obs2 := &counter{}
+	w.start(obs2, clock)
+	w.ready.Set(readiness.PodsSynced, false, "watch lost")
+	c = w.waitCondition(corev1.ConditionFalse, ReasonPodsNotSynced, kubelet)
+	testkit.Eventually(t, 10*time.Second, "the write counted", func() bool { return obs2.writes() >= 1 })
+	if obs2.writes() != 1 {
+		t.Fatalf("restarted gate wrote %d times, want 1 (the identical state must not be written)", obs2.writes())
+	}
+	if !c.LastTransitionTime.After(trueSince.Time) {
+		t.Fatalf("lastTransitionTime %s did not move on True→False", c.LastTransitionTime)
+	}
+	if obs.failed() != 0 || obs2.failed() != 0 {
+		t.Fatalf("%d+%d failed writes without an outage", obs.failed(), obs2.failed())
+	}
+}
+
+func TestIntegrationNodeConditionConvergesAcrossAPIServerOutage(t *testing.T) {
+	w := newWorld(t)
+	for _, c := range []string{readiness.CNIInstalled, readiness.ZtunnelConnected, readiness.PodsSynced} {
+		w.ready.Set(c, true, "ok")
+	}
+	obs := &counter{}
+	w.start(obs, nil)
+	w.waitCondition(corev1.ConditionTrue, ReasonReady, kubeletReady)
+	testkit.Eventually(t, 10*time.Second, "the write counted", func() bool { return obs.writes() == 1 })
+	before := obs.writes()
+
+	w.cp.StopAPIServer()
+	// Readiness flips while every write fails; each state is attempted
+	// (a failure counted) before the next.
+	failedAfter := func(what string, n int) {
+		testkit.Eventually(t, 30*time.Second, what, func() bool { return obs.failed() > n })
+	}
+	w.ready.Set(readiness.ZtunnelConnected, false, "no connection")
+	failedAfter("a failed write of False", 0)
+	f := obs.failed()
+	w.ready.Set(readiness.ZtunnelConnected, true, "1 connection")
+	failedAfter("a failed write of True", f)
+	f = obs.failed()
+	w.ready.Set(readiness.PodsSynced, false, "watch lost")
+	failedAfter("a failed write of the latest False", f)
+
+	if err := w.cp.StartAPIServer(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	c := w.waitCondition(corev1.ConditionFalse, ReasonPodsNotSynced, kubeletReady)
+	if !strings.Contains(c.Message, "pods-synced: watch lost") || strings.Contains(c.Message, "ztunnel") {
+		t.Fatalf("message %q: want the latest state (pods not synced, ztunnel connected)", c.Message)
+	}
+	// Only the latest state was written after the outage: no stale value
+	// on the way.
+	if got := obs.writes() - before; got != 1 {
+		t.Fatalf("%d writes after the outage, want 1 (the latest state only)", got)
+	}
+}
