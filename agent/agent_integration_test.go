@@ -13,7 +13,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -412,7 +411,7 @@ func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
 	// through procfs (a process in the pod's cgroup, in a netns holding the
 	// pod's IP).
 	w.setRunning(plainPod, res.IPs[0].Address.IP.String())
-	runInPodCgroup(t, plainNS, string(plainPod.UID))
+	plainNS.RunAsPod(t, string(plainPod.UID))
 	ns, _ := w.client.CoreV1().Namespaces().Get(ctx, "plain", metav1.GetOptions{})
 	ns.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}
 	if _, err := w.client.CoreV1().Namespaces().Update(ctx, ns, metav1.UpdateOptions{}); err != nil {
@@ -478,30 +477,6 @@ func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
 	})
 }
 
-// runInPodCgroup starts a process in the sandbox netns inside a cgroup named
-// as the kubelet names pod cgroups, and cleans both up.
-func runInPodCgroup(t *testing.T, sandbox *netnstest.NetNS, uid string) {
-	t.Helper()
-	dir := filepath.Join("/sys/fs/cgroup/pids", "inpod-it-kubepods", "pod"+uid)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		t.Fatalf("pod cgroup: %v", err)
-	}
-	cmd := exec.Command("ip", "netns", "exec", sandbox.Name, "sleep", "300")
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		cmd.Wait()
-		os.Remove(dir)
-		os.Remove(filepath.Dir(dir))
-	})
-	if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(cmd.Process.Pid)), 0o644); err != nil {
-		t.Fatal(err)
-	}
-
-}
-
 // agentProcess runs cmd/inpod-agent as its own process, so it can be killed.
 type agentProcess struct {
 	cmd    *exec.Cmd
@@ -561,7 +536,7 @@ func TestIntegrationAgentKilledAndRestartedLeavesRulesAndResendsSnapshot(t *test
 	// What the kubelet would report, and a container process, so the
 	// restarted agent can find the pod again.
 	w.setRunning(pod, res.IPs[0].Address.IP.String())
-	runInPodCgroup(t, sandbox, string(pod.UID))
+	sandbox.RunAsPod(t, string(pod.UID))
 	// Rule handles change whenever a rule is rewritten: equal listings
 	// (handles included) prove the rules were never touched.
 	rulesBefore := sandbox.Exec(t, "nft", "-a", "list", "ruleset")

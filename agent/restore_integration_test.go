@@ -50,7 +50,7 @@ func TestIntegrationRestartHoldsAnUnfoundPodAndReleasesAnUnlabelledOne(t *testin
 	}
 	leavingIP := res.IPs[0].Address.IP.String()
 	w.setRunning(leaving, leavingIP)
-	runInPodCgroup(t, leavingNS, string(leaving.UID))
+	leavingNS.RunAsPod(t, string(leaving.UID))
 	w.eventually("both pods annotated enabled", func() bool {
 		return w.annotation(unfound) == enroll.AnnotationEnabled && w.annotation(leaving) == enroll.AnnotationEnabled
 	})

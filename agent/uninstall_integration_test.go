@@ -368,7 +368,7 @@ func TestIntegrationSecondDaemonSetTakesOverWithoutTouchingRules(t *testing.T) {
 	stop := w.runAgent()
 	pod, sandbox := w.enrolledPod("long-lived")
 	w.setRunning(pod, sandboxIP(t, sandbox))
-	runInPodCgroup(t, sandbox, string(pod.UID))
+	sandbox.RunAsPod(t, string(pod.UID))
 	rulesBefore := sandbox.Exec(t, "nft", "-a", "list", "ruleset")
 
 	_, secondPod := w.agentDaemonSet("inpod-agent-v2")

@@ -3,15 +3,12 @@ package enroll_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"io"
 	"log/slog"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -562,7 +559,7 @@ func TestDELOfAPodEnrolledThroughProcfsNeedsItsNetns(t *testing.T) {
 	f := newFixture(t)
 	f.standin(ztunnel.Config{})
 	pod, sb := f.pod("mesh", "restored", nil), f.sandbox()
-	runInPod(t, sb, pod.UID)
+	sb.RunAsPod(t, string(pod.UID))
 	if err := f.p.Reconcile(context.Background(), f.running(pod, sb)); err != nil {
 		t.Fatal(err)
 	}
@@ -598,7 +595,7 @@ func TestReconcileRedirectsASandboxRecreatedWithoutItsADD(t *testing.T) {
 	// pod's processes live there now; the kubelet's status did not change.
 	second := sandbox{netnstest.New(t), first.ip}
 	second.Exec(t, "ip", "addr", "add", first.ip.String()+"/32", "dev", "lo")
-	runInPod(t, second, pod.UID)
+	second.RunAsPod(t, string(pod.UID))
 
 	if err := f.p.Reconcile(context.Background(), f.recreated(pod, first)); err != nil {
 		t.Fatal(err)
@@ -628,35 +625,6 @@ func TestReconcileRedirectsASandboxRecreatedWithoutItsADD(t *testing.T) {
 	if after := second.Exec(t, "nft", "-a", "list", "ruleset"); after != before {
 		t.Fatal("a second reconcile rewrote the rules")
 	}
-}
-
-// runInPod starts a process inside sb, in a cgroup named as the kubelet
-// names a pod's (cgroupfs driver), so procfs finds it; both go at cleanup.
-func runInPod(t *testing.T, sb sandbox, uid types.UID) {
-	t.Helper()
-	dir := filepath.Join("/sys/fs/cgroup/pids", "inpod-test-enroll", "pod"+string(uid), strconv.Itoa(int(time.Now().UnixNano())))
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		t.Skipf("needs a writable cgroup v1 pids hierarchy: %v", err)
-	}
-	cmd := exec.Command("ip", "netns", "exec", sb.Name, "sleep", "300")
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		cmd.Wait()
-		os.Remove(dir)
-		os.Remove(filepath.Dir(dir))
-		os.Remove(filepath.Dir(filepath.Dir(dir)))
-	})
-	if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(strconv.Itoa(cmd.Process.Pid)), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	want := identity(t, sb)
-	testkit.Eventually(t, waitFor, "the process inside the sandbox", func() bool {
-		id, err := netns.IdentityOfPath(fmt.Sprintf("/proc/%d/ns/net", cmd.Process.Pid))
-		return err == nil && id == want
-	})
 }
 
 // nftRules is the agent's rule engine as the pipeline sees it: the real
@@ -735,7 +703,7 @@ func TestReconcileRedirectsARecreatedStaticPodSandbox(t *testing.T) {
 	}
 	second := sandbox{netnstest.New(t), first.ip}
 	second.Exec(t, "ip", "addr", "add", first.ip.String()+"/32", "dev", "lo")
-	runInPod(t, second, hash)
+	second.RunAsPod(t, hash)
 	if err := f.p.Reconcile(context.Background(), f.recreated(pod, first)); err != nil {
 		t.Fatal(err)
 	}

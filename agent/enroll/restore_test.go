@@ -116,7 +116,7 @@ func TestRestartKeepsAnEnrolledPodWhoseNetnsIsNotFound(t *testing.T) {
 	}
 
 	// Its netns turns up: the reconciler's retry restores it with its fd.
-	runInPod(t, sb, pod.UID)
+	sb.RunAsPod(t, string(pod.UID))
 	if err := f.p.Reconcile(context.Background(), running); err != nil {
 		t.Fatal(err)
 	}
@@ -153,7 +153,7 @@ func TestRestartRemovesAPodUnlabelledWhileNoAgentRan(t *testing.T) {
 	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
 		t.Fatalf("ADD = %q, %v", out, err)
 	}
-	runInPod(t, sb, pod.UID)
+	sb.RunAsPod(t, string(pod.UID))
 	f.annotate(f.running(pod, sb), enroll.AnnotationEnabled)
 	f.cache.mu.Lock()
 	f.cache.namespaces["leaving"] = &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving"}}
@@ -190,7 +190,7 @@ func TestRestartHoldsAPodWhoseNamespaceIsUnknown(t *testing.T) {
 	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
 		t.Fatalf("ADD = %q, %v", out, err)
 	}
-	runInPod(t, sb, pod.UID)
+	sb.RunAsPod(t, string(pod.UID))
 	running := f.annotate(f.running(pod, sb), enroll.AnnotationEnabled)
 	f.cache.loseNamespaces(errors.New("namespace watch not synced and the API server unreachable"))
 
