@@ -197,6 +197,13 @@ func (p *Plugin) serve() (*grpc.Server, error) {
 func (p *Plugin) register(ctx context.Context, w *fsnotify.Watcher, again bool) bool {
 	backoff := 100 * time.Millisecond
 	for {
+		// Registering a socket that is gone would have the kubelet dial
+		// back to nothing, forever: serve again instead (which fails, and
+		// stops the agent, when the directory itself is gone).
+		if _, err := os.Stat(p.SocketPath()); err != nil {
+			p.log.Warn("the plugin's own socket is gone before registration; serving again", "socket", p.SocketPath())
+			return false
+		}
 		if _, err := os.Stat(p.kubeletSocket()); err == nil {
 			err := p.registerOnce(ctx)
 			if err == nil {
@@ -247,7 +254,7 @@ func (p *Plugin) registerOnce(ctx context.Context) error {
 // registered with, must not count as restarts.
 func (p *Plugin) waitForRestart(ctx context.Context, w *fsnotify.Watcher, registered bool, kubeletInode uint64) string {
 	if !registered {
-		return "shutting down"
+		return "not registered"
 	}
 	// A cheap periodic check catches a missed event.
 	tick := time.NewTicker(5 * time.Second)

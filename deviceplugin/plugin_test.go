@@ -167,3 +167,35 @@ func TestDevicesFromIsAskedAtRun(t *testing.T) {
 	})
 	eventually(t, "3 devices registered", func() bool { return k.Capacity(res) == 3 })
 }
+
+// The device-plugin directory gone while the plugin waits for a kubelet to
+// register with: the plugin must not wait on with its own socket gone (the
+// kubelet would dial back to nothing), but serve again, which fails, so Run
+// returns and the agent stops instead of lingering with a green health
+// check.
+func TestRunFailsWhenItsDirectoryGoesBeforeRegistration(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "device-plugins")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	p, err := deviceplugin.New(deviceplugin.Config{PluginDir: dir, Devices: 8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx, newReady()) }()
+	eventually(t, "the plugin's socket", func() bool { _, err := os.Stat(p.SocketPath()); return err == nil })
+	if err := os.RemoveAll(dir); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Fatal("Run returned nil after its directory went away")
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run still waits for a kubelet 10 s after its own socket and directory went away")
+	}
+}
