@@ -6,7 +6,6 @@ import (
 	"context"
 	"encoding/json"
 
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -206,14 +205,8 @@ func TestIntegrationAComponentFailingAtRuntimeEndsRun(t *testing.T) {
 
 // startStandin connects a fresh ztunnel stand-in; the returned func stops it.
 func (w *world) startStandin() func() {
-	w.standin = ztunnel.New(ztunnel.Config{SocketPath: w.cfg.ZDSSocket, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
-		MinBackoff: 10 * time.Millisecond, MaxBackoff: 100 * time.Millisecond})
-	z := w.standin
-	sctx, scancel := context.WithCancel(context.Background())
-	sdone := make(chan struct{})
-	go func() { z.Run(sctx); close(sdone) }()
-	stop := func() { scancel(); <-sdone }
-	w.t.Cleanup(stop)
+	z, stop := ztunnel.Start(w.t, ztunnel.Config{SocketPath: w.cfg.ZDSSocket})
+	w.standin = z
 	return stop
 }
 

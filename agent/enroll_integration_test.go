@@ -6,7 +6,6 @@ import (
 	"context"
 	"encoding/pem"
 	"errors"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -172,14 +171,5 @@ func TestIntegrationZtunnelUpgradeDuringAnAdd(t *testing.T) {
 // startStandinWith connects a stand-in with cfg until stop or the test's end.
 func startStandinWith(t *testing.T, socket string, cfg ztunnel.Config) (*ztunnel.Standin, func()) {
 	cfg.SocketPath = socket
-	cfg.MinBackoff, cfg.MaxBackoff = 10*time.Millisecond, 100*time.Millisecond
-	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
-	z := ztunnel.New(cfg)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { z.Run(ctx); close(done) }()
-	var once sync.Once
-	stop := func() { once.Do(func() { cancel(); <-done }) }
-	t.Cleanup(stop)
-	return z, stop
+	return ztunnel.Start(t, cfg)
 }

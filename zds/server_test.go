@@ -120,17 +120,7 @@ func startStandin(t *testing.T, path string, mod func(*ztunnel.Config)) *ztunnel
 	if mod != nil {
 		mod(&cfg)
 	}
-	z := ztunnel.New(cfg)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { z.Run(ctx); close(done) }()
-	t.Cleanup(func() {
-		cancel()
-		<-done
-		if errs := z.ProtocolErrors(); len(errs) > 0 && !t.Failed() {
-			t.Errorf("stand-in saw protocol errors: %v", errs)
-		}
-	})
+	z, _ := ztunnel.Start(t, cfg)
 	return z
 }
 

@@ -3,7 +3,6 @@ package enroll_test
 import (
 	"context"
 	"errors"
-	"io"
 	"log/slog"
 	"net/netip"
 	"os"
@@ -197,15 +196,7 @@ func (w tlog) Write(p []byte) (int, error) {
 func (f *fixture) standin(cfg ztunnel.Config) (*ztunnel.Standin, func()) {
 	f.t.Helper()
 	cfg.SocketPath = f.sock
-	cfg.MinBackoff, cfg.MaxBackoff = 10*time.Millisecond, 50*time.Millisecond
-	cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
-	z := ztunnel.New(cfg)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { z.Run(ctx); close(done) }()
-	var once sync.Once
-	stop := func() { once.Do(func() { cancel(); <-done }) }
-	f.t.Cleanup(stop)
+	z, stop := ztunnel.Start(f.t, cfg)
 	testkit.Eventually(f.t, waitFor, "the stand-in's snapshot", z.SnapshotDone)
 	return z, stop
 }
