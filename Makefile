@@ -10,7 +10,7 @@ export PATH := $(BIN):$(PATH)
 PROTOC_VERSION := 3.21.12
 
 .PHONY: all help deps build generate check-generated lint test test-unit test-integration test-e2e \
-	bench k8s-bins cluster-up cluster-down clean
+	bench k8s-bins cluster-up cluster-down clean images
 
 all: build
 
@@ -23,6 +23,14 @@ deps: ## install the tools the build and tests need (staticcheck, protoc-gen-go,
 # Stripped: inpod-cni is copied to every node and exec'ed once per pod.
 build: ## the binaries, into ./bin
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/ ./cmd/...
+
+# OCI image tarballs without Docker (e2e/images): inpod-agent (with the
+# iptables tools of this machine's Debian packages) and ztunnel-standin (a
+# test peer). Same commit, same digests. TAG names the version.
+TAG ?= dev
+images: ## image tarballs inpod-agent and ztunnel-standin into ./bin/images (no Docker)
+	@command -v xtables-nft-multi >/dev/null || hack/install-deps.sh
+	$(GO) run ./e2e/cmd/images --out $(BIN)/images --tag $(TAG)
 
 generate: deps ## regenerate zds/zdspb from zds.proto
 	@protoc --version | grep -q ' $(PROTOC_VERSION)$$' || \

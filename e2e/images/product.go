@@ -1,0 +1,160 @@
+package images
+
+import (
+	"context"
+	"fmt"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+)
+
+// The images inpod ships (and its test peer). Their repositories are the
+// chart's defaults; Tag is the version, "dev" for local builds.
+const (
+	AgentRepository   = "ghcr.io/inpod-dev/inpod-agent"
+	StandInRepository = "ghcr.io/inpod-dev/ztunnel-standin"
+	DevTag            = "dev"
+)
+
+// Paths inside the agent image. CNIDir is the agent's --cni-source-dir
+// default: the plugin binaries it copies onto the node.
+const (
+	AgentBinary = "/usr/local/bin/inpod-agent"
+	CNIDir      = "/opt/inpod/bin"
+)
+
+// iptablesTools are the commands the agent's iptables backends run
+// (agent/redirect: <family>-<mode>-restore and -save), plus the plain
+// commands for a person debugging inside the container. All are links to
+// the xtables multi-binaries of Debian's iptables package.
+var iptablesTools = func() []string {
+	var out []string
+	for _, fam := range []string{"iptables", "ip6tables"} {
+		for _, mode := range []string{"nft", "legacy"} {
+			for _, suffix := range []string{"", "-restore", "-save"} {
+				out = append(out, "/usr/sbin/"+fam+"-"+mode+suffix)
+			}
+		}
+	}
+	return out
+}()
+
+// Agent is the inpod-agent image: the agent (entrypoint), inpod-cni and
+// inpod-cni-apicheck in CNIDir for the agent to install on the node, and the
+// iptables tools with their libraries and match/target extensions taken
+// from this machine (Debian's iptables package), so every redirection
+// backend runs from the image. The default backend, nftables, needs none of
+// them (netlink).
+func Agent(ctx context.Context, repoDir, tag string) (Spec, error) {
+	var files []File
+	for _, b := range []struct{ pkg, path string }{
+		{"./cmd/inpod-agent", AgentBinary},
+		{"./cmd/inpod-cni", CNIDir + "/inpod-cni"},
+		{"./cmd/inpod-cni-apicheck", CNIDir + "/inpod-cni-apicheck"},
+	} {
+		data, err := GoBinary(ctx, repoDir, b.pkg)
+		if err != nil {
+			return Spec{}, err
+		}
+		files = append(files, File{Path: b.path, Mode: 0o755, Data: data})
+	}
+	exts, err := filepath.Glob("/usr/lib/*-linux-gnu/xtables/lib*.so")
+	if err != nil {
+		return Spec{}, err
+	}
+	// Bridge and ARP extensions are for ebtables/arptables, which inpod
+	// never runs.
+	var keep []string
+	for _, e := range exts {
+		base := filepath.Base(e)
+		if strings.HasPrefix(base, "libxt_") || strings.HasPrefix(base, "libipt_") || strings.HasPrefix(base, "libip6t_") {
+			keep = append(keep, e)
+		}
+	}
+	if len(keep) == 0 {
+		return Spec{}, fmt.Errorf("images: no xtables extensions on this machine: apt-get install iptables")
+	}
+	host, err := HostFiles(append(append([]string{}, iptablesTools...), keep...)...)
+	if err != nil {
+		return Spec{}, fmt.Errorf("%w (the agent image takes the iptables tools from this machine: apt-get install iptables)", err)
+	}
+	files = append(files, host...)
+	// iptables-legacy takes its lock in /run; the chart mounts an emptyDir
+	// there, so the root filesystem can stay read-only.
+	files = append(files, File{Path: "/run", Dir: true, Mode: 0o755}, File{Path: "/tmp", Dir: true, Mode: 0o1777})
+	labels := map[string]string{
+		"org.opencontainers.image.title":       "inpod-agent",
+		"org.opencontainers.image.description": "inpod node agent: CNI plugin installer, pod redirection, ZDS server, scheduling gates",
+		"org.opencontainers.image.source":      "https://github.com/inpod-dev/inpod",
+	}
+	if v := debianVersion(ctx, "iptables"); v != "" {
+		labels["dev.inpod.iptables-debian-version"] = v
+	}
+	return Spec{
+		Ref:        AgentRepository + ":" + tag,
+		Files:      files,
+		Entrypoint: []string{AgentBinary},
+		Env:        []string{"PATH=/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+		Labels:     labels,
+	}, nil
+}
+
+// StandIn is the ztunnel-standin image: a test peer that plays ztunnel on
+// the ZDS socket for the demo and the e2e tests. It is not a proxy.
+func StandIn(ctx context.Context, repoDir, tag string) (Spec, error) {
+	data, err := GoBinary(ctx, repoDir, "./cmd/ztunnel-standin")
+	if err != nil {
+		return Spec{}, err
+	}
+	return Spec{
+		Ref:        StandInRepository + ":" + tag,
+		Files:      []File{{Path: "/usr/local/bin/ztunnel-standin", Mode: 0o755, Data: data}},
+		Entrypoint: []string{"/usr/local/bin/ztunnel-standin"},
+		Labels: map[string]string{
+			"org.opencontainers.image.title":       "ztunnel-standin",
+			"org.opencontainers.image.description": "TEST PEER ONLY: plays Istio's ztunnel on the ZDS socket for inpod's demo and tests; proxies nothing",
+			"org.opencontainers.image.source":      "https://github.com/inpod-dev/inpod",
+		},
+	}, nil
+}
+
+// debianVersion is the installed version of a Debian package, or "".
+func debianVersion(ctx context.Context, pkg string) string {
+	out, err := exec.CommandContext(ctx, "dpkg-query", "-W", "-f", "${Version}", pkg).Output()
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(out))
+}
+
+// Products builds every shipped image (and the test peer) into outDir as
+// <name>.tar and returns the digests by file name.
+func Products(ctx context.Context, repoDir, tag, outDir string) (map[string]string, error) {
+	digests := map[string]string{}
+	for _, b := range []struct {
+		file  string
+		build func(context.Context, string, string) (Spec, error)
+	}{{"inpod-agent.tar", Agent}, {"ztunnel-standin.tar", StandIn}} {
+		spec, err := b.build(ctx, repoDir, tag)
+		if err != nil {
+			return nil, err
+		}
+		d, err := Write(spec, filepath.Join(outDir, b.file))
+		if err != nil {
+			return nil, err
+		}
+		digests[b.file] = d.String()
+	}
+	return digests, nil
+}
+
+// SortedKeys lists m's keys in order (for stable output).
+func SortedKeys(m map[string]string) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
+}
