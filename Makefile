@@ -10,7 +10,7 @@ export PATH := $(BIN):$(PATH)
 PROTOC_VERSION := 3.21.12
 
 .PHONY: all help deps build generate check-generated lint test test-unit test-integration test-e2e \
-	bench k8s-bins cluster-up cluster-down clean images
+	bench k8s-bins cluster-up cluster-down clean images manifests check-chart
 
 all: build
 
@@ -43,6 +43,18 @@ check-generated: generate ## fail when the committed generated code is stale
 	@git diff --exit-code -- zds/zdspb || \
 	  { echo "zds/zdspb is out of date: run 'make generate' and commit" >&2; exit 1; }
 
+# The plain manifests committed beside the chart, rendered from it: the
+# default install (deploy/manifests/inpod.yaml) and the RBAC the agent's
+# integration tests apply (deploy/rbac). One source: the chart.
+manifests: deps ## render deploy/manifests and deploy/rbac from the chart
+	@hack/manifests.sh
+
+# helm lint and template per gate value, the schema's refusals, and the
+# rendered manifests current (like check-generated).
+check-chart: deps ## helm lint/template per gate value; deploy/manifests and deploy/rbac current
+	@hack/chart-check.sh
+	@hack/manifests.sh --check
+
 lint: deps ## gofmt, go vet, staticcheck
 	@fmt=$$(git ls-files -co --exclude-standard '*.go' | xargs -r gofmt -l); \
 	  if [ -n "$$fmt" ]; then echo "gofmt would change:"; echo "$$fmt"; exit 1; fi
@@ -60,9 +72,10 @@ lint: deps ## gofmt, go vet, staticcheck
 # and a parallel package could take one between the pick and the bind; the
 # e2e packages also share the host's fixed kubelet paths.
 # Both get their binaries from k8s-bins (cold: ~17 min).
-test: ## every tier, fastest first: lint, check-generated, unit, integration, e2e
+test: ## every tier, fastest first: lint, check-generated, check-chart, unit, integration, e2e
 	@$(MAKE) --no-print-directory lint
 	@$(MAKE) --no-print-directory check-generated
+	@$(MAKE) --no-print-directory check-chart
 	@$(MAKE) --no-print-directory test-unit
 	@$(MAKE) --no-print-directory test-integration
 	@$(MAKE) --no-print-directory test-e2e

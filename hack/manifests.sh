@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Renders the chart into the plain manifests committed beside it (make
+# manifests), or with --check fails when they are stale (make test):
+#   deploy/manifests/inpod.yaml  the chart with default values, plus its Namespace
+#   deploy/rbac/{agent,plugin}.yaml  the RBAC templates alone (the agent's
+#                                integration tests apply them as shipped)
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+helm="$repo/bin/helm"
+chart=deploy/helm/inpod
+cd "$repo"
+
+render() { # out-dir
+  local out=$1 header
+  header="# Generated from $chart by \`make manifests\` (helm template, default values): edit the chart, not this file."
+  mkdir -p "$out/manifests" "$out/rbac"
+  {
+    echo "$header"
+    printf -- '---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: inpod-system\n'
+    "$helm" template inpod "$chart" -n inpod-system
+  } >"$out/manifests/inpod.yaml"
+  for c in agent plugin; do
+    {
+      echo "$header"
+      "$helm" template inpod "$chart" -n inpod-system --show-only "templates/rbac-$c.yaml" | sed '1{/^---$/d}'
+    } >"$out/rbac/$c.yaml"
+  done
+}
+
+if [ "${1:-}" = --check ]; then
+  tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+  render "$tmp"
+  stale=0
+  for f in manifests/inpod.yaml rbac/agent.yaml rbac/plugin.yaml; do
+    if ! diff -u "deploy/$f" "$tmp/$f"; then stale=1; fi
+  done
+  if [ $stale = 1 ]; then
+    echo "deploy/manifests or deploy/rbac is out of date with the chart: run 'make manifests' and commit" >&2
+    exit 1
+  fi
+else
+  render deploy
+fi
