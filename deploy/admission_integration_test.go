@@ -1,0 +1,359 @@
+//go:build integration
+
+package deploy_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	authenticationv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	resourcev1 "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+
+	"github.com/inpod-dev/inpod/internal/testkit"
+)
+
+const resourceName = corev1.ResourceName("inpod.dev/redirection")
+
+// kinds keeps the rendered objects of the given kinds.
+func kinds(objs []*unstructured.Unstructured, want ...string) []*unstructured.Unstructured {
+	var out []*unstructured.Unstructured
+	for _, o := range objs {
+		for _, k := range want {
+			if o.GetKind() == k {
+				out = append(out, o)
+			}
+		}
+	}
+	return out
+}
+
+func pod(ns, name string, labels map[string]string, mod func(*corev1.Pod)) *corev1.Pod {
+	p := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: labels},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{
+			{Name: "app", Image: "app"},
+			{Name: "sidecar", Image: "sidecar"},
+		}},
+	}
+	if mod != nil {
+		mod(p)
+	}
+	return p
+}
+
+// requests counts the containers requesting the resource, and says whether
+// each that does asks for exactly 1 in requests and limits.
+func requests(p *corev1.Pod) (n int, exact bool) {
+	exact = true
+	for _, c := range p.Spec.Containers {
+		r, hasR := c.Resources.Requests[resourceName]
+		l, hasL := c.Resources.Limits[resourceName]
+		if hasR || hasL {
+			n++
+			exact = exact && hasR && hasL && r.Value() == 1 && l.Value() == 1
+		}
+	}
+	return n, exact
+}
+
+// TestIntegrationResourceRequestPolicy creates the chart's
+// MutatingAdmissionPolicy on a real API server and creates pods (server-side
+// dry run: admission runs, nothing is stored): every pod the enrollment
+// rules enroll gains the request on one container; every exclusion stays
+// unchanged.
+func TestIntegrationResourceRequestPolicy(t *testing.T) {
+	a := startAPIServer(t)
+	ctx := context.Background()
+	a.create(t, false, kinds(render(t), "MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding")...)
+	nss := a.Client.CoreV1().Namespaces()
+	for name, labels := range map[string]map[string]string{
+		"mesh":  {"istio.io/dataplane-mode": "ambient"},
+		"plain": nil,
+	} {
+		if _, err := nss.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// kube-system is excluded even when labelled.
+	ks, err := nss.Get(ctx, "kube-system", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ks.Labels["istio.io/dataplane-mode"] = "ambient"
+	if _, err := nss.Update(ctx, ks, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	admit := func(p *corev1.Pod) *corev1.Pod {
+		t.Helper()
+		out, err := a.Client.CoreV1().Pods(p.Namespace).Create(ctx, p, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		if err != nil {
+			t.Fatalf("pod %s/%s refused: %v", p.Namespace, p.Name, err)
+		}
+		return out
+	}
+	ambient := map[string]string{"istio.io/dataplane-mode": "ambient"}
+	// A policy takes effect a few seconds after it is created.
+	testkit.Eventually(t, 30*time.Second, "the policy to apply", func() bool {
+		n, _ := requests(admit(pod("mesh", "probe", nil, nil)))
+		return n == 1
+	})
+
+	enrolled := []*corev1.Pod{
+		pod("mesh", "by-namespace", nil, nil),
+		pod("plain", "by-pod-label", ambient, nil),
+		pod("mesh", "other-label-value", map[string]string{"istio.io/dataplane-mode": "sidecar"}, nil),
+		pod("mesh", "other-resources", nil, func(p *corev1.Pod) {
+			p.Spec.Containers[0].Resources = corev1.ResourceRequirements{
+				Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m")},
+				Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("64Mi")},
+			}
+		}),
+	}
+	for _, p := range enrolled {
+		got := admit(p)
+		n, exact := requests(got)
+		if n != 1 || !exact {
+			t.Errorf("enrolled pod %s/%s: %d containers request %s (exactly 1 each: %t), want one: %+v", p.Namespace, p.Name, n, resourceName, exact, got.Spec.Containers)
+		}
+		if p.Name == "other-resources" {
+			c := got.Spec.Containers[0].Resources
+			if c.Requests.Cpu().MilliValue() != 100 || c.Limits.Memory().Value() != 64<<20 {
+				t.Errorf("the pod's own resources changed: %+v", c)
+			}
+		}
+	}
+
+	unchanged := []*corev1.Pod{
+		pod("plain", "unlabelled", nil, nil),
+		pod("mesh", "opted-out", map[string]string{"istio.io/dataplane-mode": "none"}, nil),
+		pod("plain", "host-network", ambient, func(p *corev1.Pod) { p.Spec.HostNetwork = true }),
+		pod("mesh", "host-network-by-namespace", nil, func(p *corev1.Pod) { p.Spec.HostNetwork = true }),
+		pod("kube-system", "excluded-namespace", nil, nil),
+		pod("kube-system", "excluded-namespace-pod-label", ambient, nil),
+		pod("mesh", "inpod-own", map[string]string{"app.kubernetes.io/part-of": "inpod"}, nil),
+		pod("mesh", "inpod-own-labelled", map[string]string{"app.kubernetes.io/part-of": "inpod", "istio.io/dataplane-mode": "ambient"}, nil),
+	}
+	for _, p := range unchanged {
+		if n, _ := requests(admit(p)); n != 0 {
+			t.Errorf("pod %s/%s (not enrolled) gained the request", p.Namespace, p.Name)
+		}
+	}
+	// Already requesting it (on another container, or only as a limit):
+	// left as it is.
+	for _, p := range []*corev1.Pod{
+		pod("mesh", "already", nil, func(p *corev1.Pod) {
+			p.Spec.Containers[1].Resources.Limits = corev1.ResourceList{resourceName: resource.MustParse("1")}
+			p.Spec.Containers[1].Resources.Requests = corev1.ResourceList{resourceName: resource.MustParse("1")}
+		}),
+		pod("plain", "already-limit-only", ambient, func(p *corev1.Pod) {
+			p.Spec.Containers[1].Resources.Limits = corev1.ResourceList{resourceName: resource.MustParse("1")}
+		}),
+	} {
+		got := admit(p)
+		if n, _ := requests(got); n != 1 {
+			t.Errorf("pod %s/%s already requesting: now %d containers request it", p.Namespace, p.Name, n)
+		}
+		if _, has := got.Spec.Containers[0].Resources.Limits[resourceName]; has {
+			t.Errorf("pod %s/%s already requesting on its second container: the first gained it too", p.Namespace, p.Name)
+		}
+	}
+}
+
+// TestIntegrationNodeConfinementPolicy: with the chart's RBAC and
+// ValidatingAdmissionPolicy on a real API server, the agent of node A —
+// authenticated with a token of its ServiceAccount bound to its pod on node
+// A, exactly as the kubelet gives it — may patch the pods of node A, its own
+// Node's InPodRedirectionReady condition and node A's ResourceSlices, and
+// nothing of node B; a token of the ServiceAccount that is not bound to a
+// pod (no node name) may patch nothing.
+func TestIntegrationNodeConfinementPolicy(t *testing.T) {
+	a := startAPIServer(t)
+	ctx := context.Background()
+	admin := a.Client
+	objs := render(t)
+	a.create(t, false, kinds(objs, "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+		"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")...)
+	// ResourceSlices are the DRA gate's; until its RBAC is in the chart,
+	// grant them here so that the policy, not RBAC, is what is tested.
+	if _, err := admin.RbacV1().ClusterRoles().Create(ctx, &rbacv1.ClusterRole{
+		ObjectMeta: metav1.ObjectMeta{Name: "test-resourceslices"},
+		Rules:      []rbacv1.PolicyRule{{APIGroups: []string{"resource.k8s.io"}, Resources: []string{"resourceslices"}, Verbs: []string{"create", "update", "patch", "delete", "get"}}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.RbacV1().ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: "test-resourceslices"},
+		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: "test-resourceslices"},
+		Subjects:   []rbacv1.Subject{{Kind: "ServiceAccount", Name: "inpod-agent", Namespace: namespace}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	for _, n := range []string{"node-a", "node-b"} {
+		if _, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := admin.CoreV1().Pods("default").Create(ctx, &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: "app-" + n},
+			Spec:       corev1.PodSpec{NodeName: n, Containers: []corev1.Container{{Name: "app", Image: "app"}}},
+		}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := admin.ResourceV1().ResourceSlices().Create(ctx, slice(n), metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The agent's pod on node A, and its token as the kubelet requests it:
+	// bound to that pod, so the API server adds the node's name.
+	agentPod, err := admin.CoreV1().Pods(namespace).Create(ctx, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "inpod-agent-a"},
+		Spec:       corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "inpod-agent", Containers: []corev1.Container{{Name: "agent", Image: "agent"}}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	agentA := a.tokenClient(t, &authenticationv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: agentPod.Name, UID: agentPod.UID})
+	unbound := a.tokenClient(t, nil)
+
+	annotate := func(c kubernetes.Interface, name string) error {
+		_, err := c.CoreV1().Pods("default").Patch(ctx, name, types.MergePatchType,
+			[]byte(`{"metadata":{"annotations":{"ambient.istio.io/redirection":"enabled"}}}`), metav1.PatchOptions{})
+		return err
+	}
+	condition := func(c kubernetes.Interface, node string) error {
+		patch := fmt.Sprintf(`{"status":{"conditions":[{"type":"InPodRedirectionReady","status":"True","reason":"Ready","lastTransitionTime":%q}]}}`,
+			time.Now().UTC().Format(time.RFC3339))
+		_, err := c.CoreV1().Nodes().Patch(ctx, node, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}, "status")
+		return err
+	}
+	capacity := func(c kubernetes.Interface, node string) error {
+		_, err := c.CoreV1().Nodes().Patch(ctx, node, types.StrategicMergePatchType,
+			[]byte(`{"status":{"capacity":{"inpod.dev/redirection":"1000"},"allocatable":{"inpod.dev/redirection":"1000"}}}`), metav1.PatchOptions{}, "status")
+		return err
+	}
+	otherCondition := func(c kubernetes.Interface, node string) error {
+		_, err := c.CoreV1().Nodes().Patch(ctx, node, types.StrategicMergePatchType,
+			[]byte(`{"status":{"conditions":[{"type":"Ready","status":"False","reason":"Forged"}]}}`), metav1.PatchOptions{}, "status")
+		return err
+	}
+	sliceUpdate := func(c kubernetes.Interface, node string) error {
+		s, err := admin.ResourceV1().ResourceSlices().Get(ctx, "slice-"+node, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		s.Spec.Pool.Generation++
+		_, err = c.ResourceV1().ResourceSlices().Update(ctx, s, metav1.UpdateOptions{})
+		return err
+	}
+	sliceCreate := func(c kubernetes.Interface, node string) error {
+		s := slice(node)
+		s.Name += "-new"
+		_, err := c.ResourceV1().ResourceSlices().Create(ctx, s, metav1.CreateOptions{})
+		return err
+	}
+	sliceDelete := func(c kubernetes.Interface, node string) error {
+		return c.ResourceV1().ResourceSlices().Delete(ctx, "slice-"+node, metav1.DeleteOptions{})
+	}
+
+	// The policy takes a few seconds to apply after it is created.
+	testkit.Eventually(t, 30*time.Second, "the policy to apply", func() bool {
+		return denied(annotate(agentA, "app-node-b"))
+	})
+	for _, c := range []struct {
+		what string
+		err  error
+		want string // "" allowed, else a word of the denial
+	}{
+		{"annotate a pod of its node", annotate(agentA, "app-node-a"), ""},
+		{"annotate a pod of node B", annotate(agentA, "app-node-b"), "only pods bound to its node"},
+		{"its Node's InPodRedirectionReady condition", condition(agentA, "node-a"), ""},
+		{"node B's condition", condition(agentA, "node-b"), "only its own Node"},
+		{"its Node's capacity", capacity(agentA, "node-a"), "only the InPodRedirectionReady condition"},
+		{"another condition of its Node", otherCondition(agentA, "node-a"), "only the InPodRedirectionReady condition"},
+		{"update its node's ResourceSlice", sliceUpdate(agentA, "node-a"), ""},
+		{"create a ResourceSlice for its node", sliceCreate(agentA, "node-a"), ""},
+		{"update node B's ResourceSlice", sliceUpdate(agentA, "node-b"), "ResourceSlices"},
+		{"create a ResourceSlice for node B", sliceCreate(agentA, "node-b"), "ResourceSlices"},
+		{"delete node B's ResourceSlice", sliceDelete(agentA, "node-b"), "ResourceSlices"},
+		{"delete its node's ResourceSlice", sliceDelete(agentA, "node-a"), ""},
+		{"unbound token: annotate a pod of node A", annotate(unbound, "app-node-a"), "names no node"},
+		{"unbound token: node A's condition", condition(unbound, "node-a"), "names no node"},
+	} {
+		switch {
+		case c.want == "" && c.err != nil:
+			t.Errorf("%s: refused: %v", c.what, c.err)
+		case c.want != "" && !denied(c.err):
+			t.Errorf("%s: allowed (err %v), want denied by the policy", c.what, c.err)
+		case c.want != "" && !strings.Contains(c.err.Error(), c.want):
+			t.Errorf("%s: denied with %q, want it to say %q", c.what, c.err, c.want)
+		}
+	}
+	// The admin (everyone but the agent) is not confined.
+	if err := annotate(admin, "app-node-b"); err != nil {
+		t.Errorf("admin refused: %v", err)
+	}
+}
+
+// denied is a refusal by the admission policy (RBAC refusals say
+// "cannot").
+func denied(err error) bool {
+	return apierrors.IsForbidden(err) || apierrors.IsInvalid(err)
+}
+
+func slice(node string) *resourcev1.ResourceSlice {
+	return &resourcev1.ResourceSlice{
+		ObjectMeta: metav1.ObjectMeta{Name: "slice-" + node},
+		Spec: resourcev1.ResourceSliceSpec{
+			Driver:   "redirection.inpod.dev",
+			NodeName: &node,
+			Pool:     resourcev1.ResourcePool{Name: node, Generation: 1, ResourceSliceCount: 1},
+			Devices:  []resourcev1.Device{{Name: "redirection"}},
+		},
+	}
+}
+
+// tokenClient is a client with a token of the agent's ServiceAccount from
+// the TokenRequest API, bound to ref when it is set (as the kubelet binds a
+// pod's token).
+func (a *apiserver) tokenClient(t *testing.T, ref *authenticationv1.BoundObjectReference) kubernetes.Interface {
+	t.Helper()
+	exp := int64(3600)
+	tr, err := a.Client.CoreV1().ServiceAccounts(namespace).CreateToken(context.Background(), "inpod-agent",
+		&authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: &exp, BoundObjectRef: ref}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ref != nil {
+		// The claim the policy reads, as the API server reports it.
+		review, err := a.Client.AuthenticationV1().TokenReviews().Create(context.Background(),
+			&authenticationv1.TokenReview{Spec: authenticationv1.TokenReviewSpec{Token: tr.Status.Token}}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		extra, _ := json.Marshal(review.Status.User.Extra)
+		if !strings.Contains(string(extra), "authentication.kubernetes.io/node-name") {
+			t.Fatalf("the pod-bound token carries no node name: %s", extra)
+		}
+	}
+	rc := rest.AnonymousClientConfig(a.Rest)
+	rc.BearerToken = tr.Status.Token
+	c, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}

@@ -1,0 +1,43 @@
+//go:build integration
+
+package deploy_test
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/inpod-dev/inpod/internal/testkit"
+)
+
+// TestIntegrationChartAcceptedByAPIServer: every object the chart renders,
+// for each gate value and with every optional part on (bar the
+// ServiceMonitor, whose CRD a bare API server lacks), and the committed
+// deploy/manifests/inpod.yaml, pass a real kube-apiserver's validation and
+// admission in a server-side dry run with strict field validation (an
+// unknown or misspelled field fails).
+func TestIntegrationChartAcceptedByAPIServer(t *testing.T) {
+	a := startAPIServer(t)
+	for _, args := range [][]string{
+		nil,
+		{"--set", "gates={dra}"},
+		{"--set", "gates={node-condition}"},
+		{"--set", "gates={none}"},
+		{"--set", "gates={deviceplugin,node-condition}", "--set", "redirection.dnsCapture=true",
+			"--set", "agent.apiServer.host=127.0.0.1", "--set", "agent.apiServer.port=6443",
+			"--set", "enrollment.excludedNamespaces={kube-system,monitoring}", "--set", "agent.extraArgs={--log-level=debug}"},
+	} {
+		objs := render(t, args...)
+		if len(objs) < 10 {
+			t.Fatalf("%v: only %d objects rendered", args, len(objs))
+		}
+		a.create(t, true, objs...)
+	}
+	data, err := os.ReadFile(filepath.Join(testkit.RepoDir(t), "deploy", "manifests", "inpod.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs := decode(t, data)
+	// The Namespace exists already; the rest in a dry run.
+	a.create(t, true, objs[1:]...)
+}
