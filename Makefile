@@ -10,7 +10,7 @@ export PATH := $(BIN):$(PATH)
 PROTOC_VERSION := 3.21.12
 
 .PHONY: all help deps build generate check-generated lint test test-unit test-integration test-e2e \
-	bench k8s-bins cluster-up cluster-down clean images manifests check-chart
+	bench k8s-bins cluster-up cluster-down clean images manifests check-chart demo demo-down
 
 all: build
 
@@ -117,6 +117,22 @@ cluster-up: deps ## a real single-node Kubernetes for a person; prints its kubec
 cluster-down: ## stop what cluster-up started
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
 	$(BIN)/localnode down
+
+# inpod doing its job on the local node, narrated step by step; leaves the
+# node up (make demo-down removes everything). The node uses fixed host
+# paths, so it starts under the e2e lock, and its processes keep holding it
+# (inherited) until demo-down stops them; a node already up is reused.
+NODE_UP = [ -e /var/lib/inpod-e2e.holder ] && kill -0 $$(cat /var/lib/inpod-e2e.holder) 2>/dev/null
+demo: deps images ## bring up the local node, install inpod with its chart, show an enrolled pod gated and redirected
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/demo ./e2e/cmd/demo
+	if $(NODE_UP); then lock=; else lock="flock /tmp/inpod-e2e.lock"; fi; \
+	  $(K8S_ENV) $$lock $(BIN)/demo up --repo $(CURDIR) --images $(BIN)/images
+
+demo-down: deps ## uninstall inpod (helm) and remove the local node
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
+	CGO_ENABLED=0 $(GO) build -o $(BIN)/demo ./e2e/cmd/demo
+	$(BIN)/demo down --repo $(CURDIR)
 
 clean: ## remove ./bin
 	rm -rf $(BIN)
