@@ -20,6 +20,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/images"
 )
 
@@ -197,4 +198,9 @@ func PrepareHost() error {
 		}
 	}
 	return nil
+}
+
+// NodeTarget is an in-process test node.
+func NodeTarget(n *cluster.Node) Target {
+	return Target{Root: filepath.Dir(n.Kubeconfig), Kubeconfig: n.Kubeconfig, Containerd: n.Containerd, CNIBin: n.CNIBin, CNIConf: n.CNIConf}
 }

@@ -389,10 +389,15 @@ func (d *demo) runPod(ctx context.Context, p *corev1.Pod) (*corev1.Pod, error) {
 // stops the node.
 func (d *demo) down(ctx context.Context) error {
 	if _, err := os.Stat(d.target.Kubeconfig); err == nil {
-		if out, err := d.target.Helm(ctx, d.repo, "uninstall", chart.Release, "-n", chart.Namespace, "--wait", "--timeout", "2m"); err != nil && !strings.Contains(out, "not found") {
+		// The agent removes inpod from the node when its DaemonSet goes.
+		out, err := d.target.Helm(ctx, d.repo, "uninstall", chart.Release, "-n", chart.Namespace, "--wait", "--timeout", "2m")
+		switch {
+		case err == nil:
+			d.say("uninstalled inpod (helm uninstall)")
+		case strings.Contains(out, "not found"):
+			d.say("inpod was not installed")
+		default:
 			fmt.Fprintln(os.Stderr, "helm uninstall:", err)
-		} else {
-			d.say("uninstalled inpod")
 		}
 	}
 	cmd := exec.CommandContext(ctx, filepath.Join(d.repo, "bin", "localnode"), "down", "--root", d.root)
@@ -403,4 +408,3 @@ func (d *demo) down(ctx context.Context) error {
 	d.say("the local node is down and removed")
 	return nil
 }
-
