@@ -1,0 +1,218 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"context"
+	"os"
+	osexec "os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/e2e/chart"
+	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/e2e/images"
+	"github.com/inpod-dev/inpod/internal/testkit"
+)
+
+// TestE2EChartInstallUpgradeUninstall installs inpod with its Helm chart on
+// the real node (the agent is a DaemonSet pod from the agent image, the
+// stand-in a DaemonSet too): the gate opens and an enrolled pod, which asked
+// for nothing, runs redirected (a connection to it lands on ztunnel's inbound
+// listener); helm upgrade to a changed image replaces the agent while the
+// plugin stays in the conflist throughout and the pod keeps running
+// redirected; helm uninstall removes the plugin from the conflist, both
+// binaries and the host table.
+func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	repo := testkit.RepoDir(t)
+	node, err := cluster.StartNode(ctx, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-chart"}, RepoDir: repo})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := node.Stop(); err != nil {
+			t.Error(err)
+		}
+	})
+	client := node.Client
+	target := chart.NodeTarget(node)
+	if err := chart.PrepareHost(); err != nil {
+		t.Fatal(err)
+	}
+
+	imgDir := t.TempDir()
+	if _, err := images.Products(ctx, repo, images.DevTag, imgDir); err != nil {
+		t.Fatal(err)
+	}
+	// The upgrade's image: the same agent with another digest.
+	spec, err := images.Agent(ctx, repo, "upgrade")
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec.Labels["dev.inpod.e2e-build"] = "upgrade"
+	if _, err := images.Write(spec, filepath.Join(imgDir, "inpod-agent-upgrade.tar")); err != nil {
+		t.Fatal(err)
+	}
+	if err := target.ImportImages(ctx, filepath.Join(imgDir, "inpod-agent.tar"), filepath.Join(imgDir, "ztunnel-standin.tar"),
+		filepath.Join(imgDir, "inpod-agent-upgrade.tar")); err != nil {
+		t.Fatal(err)
+	}
+	if err := target.Install(ctx, repo, images.DevTag); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { target.Helm(context.Background(), repo, "uninstall", chart.Release, "-n", chart.Namespace) })
+	if _, err := client.AppsV1().DaemonSets(chart.Namespace).Create(ctx, chart.StandIn(images.DevTag, target.ZDSSocket()), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	conflist := filepath.Join(node.CNIConf, "10-e2e.conflist")
+	chained := func() bool {
+		data, err := os.ReadFile(conflist)
+		return err == nil && strings.Contains(string(data), `"inpod-cni"`)
+	}
+	testkit.Eventually(t, 2*time.Minute, "the agent pod Ready with the plugin chained", func() bool { return agentReady(t, ctx, node) != "" && chained() })
+	resource := corev1.ResourceName("inpod.dev/redirection")
+	testkit.Eventually(t, time.Minute, "the gate open on the Node", func() bool {
+		n, err := client.CoreV1().Nodes().Get(ctx, node.Name, metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		q := n.Status.Allocatable[resource]
+		return q.Value() > 0
+	})
+
+	for name, labels := range map[string]map[string]string{"mesh": {enroll.DataplaneModeLabel: enroll.DataplaneAmbient}, "plain": nil} {
+		if _, err := client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	app := runTestApp(t, ctx, node, "mesh", "app")
+	if q := app.Spec.Containers[0].Resources.Limits[resource]; q.Value() != 1 {
+		t.Fatalf("the enrolled pod has no %s: the chart's admission policy did not add it", resource)
+	}
+	inbound := func(client string) {
+		t.Helper()
+		reply := dialFrom(t, ctx, node, "plain", client, app.Status.PodIP+":8080")
+		if want := "ztunnel-standin port=15006 orig=" + app.Status.PodIP + ":8080"; !strings.Contains(reply, want) {
+			t.Fatalf("a connection to the enrolled pod got %q, want ztunnel's inbound listener (%s)", reply, want)
+		}
+	}
+	inbound("client-before")
+
+	// Upgrade: a changed image. The plugin must stay chained throughout.
+	oldAgent := agentReady(t, ctx, node)
+	if err := target.Install(ctx, repo, "upgrade"); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(3 * time.Minute)
+	for {
+		if !chained() {
+			t.Fatal("the plugin left the conflist during the upgrade")
+		}
+		if name := agentReady(t, ctx, node); name != "" && name != oldAgent {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("timed out waiting for the upgraded agent Ready")
+		}
+		time.Sleep(20 * time.Millisecond) // sampling the conflist, not synchronising
+	}
+	p, err := client.CoreV1().Pods("mesh").Get(ctx, "app", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.UID != app.UID || p.Status.Phase != corev1.PodRunning || p.Status.ContainerStatuses[0].RestartCount != 0 || p.Annotations[enroll.RedirectionAnnotation] != "enabled" {
+		t.Fatalf("the enrolled pod was disturbed by the upgrade: phase %s, restarts %d, annotation %q", p.Status.Phase, p.Status.ContainerStatuses[0].RestartCount, p.Annotations[enroll.RedirectionAnnotation])
+	}
+	inbound("client-after-upgrade")
+
+	// Uninstall: each agent removes inpod from its node.
+	if _, err := target.Helm(ctx, repo, "uninstall", chart.Release, "-n", chart.Namespace, "--wait", "--timeout", "3m"); err != nil {
+		t.Fatal(err)
+	}
+	testkit.Eventually(t, 2*time.Minute, "the plugin out of the conflist and both binaries removed", func() bool {
+		_, e1 := os.Stat(filepath.Join(node.CNIBin, "inpod-cni"))
+		_, e2 := os.Stat(filepath.Join(node.CNIBin, "inpod-cni-apicheck"))
+		return !chained() && os.IsNotExist(e1) && os.IsNotExist(e2)
+	})
+	testkit.Eventually(t, 30*time.Second, "the host table removed", func() bool {
+		out, err := osexec.Command("nft", "list", "tables").Output()
+		return err == nil && !strings.Contains(string(out), "inpod-host")
+	})
+	// Known leftovers of Helm's ordering (README, Install): the
+	// annotations (RBAC deleted before the agent's last step) and the
+	// Node's resource (kept by the kubelet for a while).
+	p, _ = client.CoreV1().Pods("mesh").Get(ctx, "app", metav1.GetOptions{})
+	t.Logf("after uninstall: annotation %q (known leftover)", p.Annotations[enroll.RedirectionAnnotation])
+}
+
+// agentReady is the name of the Ready agent pod, or "".
+func agentReady(t *testing.T, ctx context.Context, node *cluster.Node) string {
+	t.Helper()
+	pods, err := node.Client.CoreV1().Pods(chart.Namespace).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=agent"})
+	if err != nil {
+		return ""
+	}
+	for _, p := range pods.Items {
+		if p.DeletionTimestamp != nil {
+			continue
+		}
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue {
+				return p.Name
+			}
+		}
+	}
+	return ""
+}
+
+// runTestApp runs testapp listening on :8080 and returns the running pod.
+func runTestApp(t *testing.T, ctx context.Context, node *cluster.Node, ns, name string) *corev1.Pod {
+	t.Helper()
+	grace := int64(1)
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: corev1.PodSpec{TerminationGracePeriodSeconds: &grace, Containers: []corev1.Container{{
+			Name: "app", Image: images.TestAppRef, ImagePullPolicy: corev1.PullNever, Args: []string{"--listen", ":8080"}}}},
+	}
+	if _, err := node.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	var got *corev1.Pod
+	testkit.Eventually(t, 2*time.Minute, ns+"/"+name+" Running", func() bool {
+		p, err := node.Client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		got = p
+		return err == nil && p.Status.Phase == corev1.PodRunning && p.Status.PodIP != ""
+	})
+	return got
+}
+
+// dialFrom runs a pod that connects once to addr and returns what it was
+// answered.
+func dialFrom(t *testing.T, ctx context.Context, node *cluster.Node, ns, name, addr string) string {
+	t.Helper()
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: corev1.PodSpec{RestartPolicy: corev1.RestartPolicyNever, Containers: []corev1.Container{{
+			Name: "dial", Image: images.TestAppRef, ImagePullPolicy: corev1.PullNever, Args: []string{"--dial", addr}}}},
+	}
+	if _, err := node.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testkit.Eventually(t, 2*time.Minute, ns+"/"+name+" finished", func() bool {
+		p, err := node.Client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		return err == nil && (p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed)
+	})
+	out, err := node.Client.CoreV1().Pods(ns).GetLogs(name, &corev1.PodLogOptions{}).DoRaw(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(out)
+}
