@@ -27,8 +27,9 @@ import (
 // for nothing, runs redirected (a connection to it lands on ztunnel's inbound
 // listener); helm upgrade to a changed image replaces the agent while the
 // plugin stays in the conflist throughout and the pod keeps running
-// redirected; helm uninstall removes the plugin from the conflist, both
-// binaries and the host table.
+// redirected; helm uninstall (its pre-delete hook first) removes the plugin
+// from the conflist, both
+// binaries, the host table and the pod's annotation.
 func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
@@ -146,11 +147,15 @@ func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 		out, err := osexec.Command("nft", "list", "tables").Output()
 		return err == nil && !strings.Contains(string(out), "inpod-host")
 	})
-	// Known leftovers of Helm's ordering (README, Install): the
-	// annotations (RBAC deleted before the agent's last step) and the
-	// Node's resource (kept by the kubelet for a while).
-	p, _ = client.CoreV1().Pods("mesh").Get(ctx, "app", metav1.GetOptions{})
-	t.Logf("after uninstall: annotation %q (known leftover)", p.Annotations[enroll.RedirectionAnnotation])
+	// The pre-delete hook kept the agent's RBAC until the agent was done,
+	// so its last step, the annotations, went through too.
+	p, err = client.CoreV1().Pods("mesh").Get(ctx, "app", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, has := p.Annotations[enroll.RedirectionAnnotation]; has {
+		t.Errorf("after uninstall the pod still carries %s=%q", enroll.RedirectionAnnotation, v)
+	}
 }
 
 // agentReady is the name of the Ready agent pod, or "".

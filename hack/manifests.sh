@@ -17,7 +17,7 @@ render() { # out-dir
   {
     echo "$header"
     printf -- '---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: inpod-system\n'
-    "$helm" template inpod "$chart" -n inpod-system
+    "$helm" template inpod "$chart" -n inpod-system --no-hooks
   } >"$out/manifests/inpod.yaml"
   for c in agent plugin; do
     {

@@ -29,6 +29,9 @@ func main() {
 }
 
 func run() error {
+	if len(os.Args) > 1 && os.Args[1] == "uninstall-hook" {
+		return runUninstallHook(os.Args[2:])
+	}
 	fs := flag.NewFlagSet("inpod-agent", flag.ContinueOnError)
 	var cfg agent.Config
 	fs.StringVar(&cfg.NodeName, "node-name", "", "this node's name (set it from the downward API: spec.nodeName)")
