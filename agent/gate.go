@@ -6,6 +6,9 @@ import (
 	"slices"
 	"strings"
 
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/nodecondition"
@@ -75,8 +78,15 @@ func (a *Agent) newGates(names []string) ([]Gate, error) {
 			cfg.Observer, cfg.Logger, cfg.DevicesFrom = a.Metrics, a.log, a.podCapacity
 			g, err = deviceplugin.New(cfg)
 		case "dra":
+			// A client of its own: client-go rate-limits per client (5
+			// requests/s by default), and a burst of annotation patches
+			// on the shared one would hold back a taint by seconds.
+			var own kubernetes.Interface
+			if own, err = kubernetes.NewForConfig(rest.CopyConfig(a.restCfg)); err != nil {
+				return nil, err
+			}
 			cfg := a.cfg.DRA
-			cfg.Client, cfg.NodeName, cfg.Observer, cfg.Logger = a.client, a.cfg.NodeName, a.Metrics, a.log
+			cfg.Client, cfg.NodeName, cfg.Observer, cfg.Logger = own, a.cfg.NodeName, a.Metrics, a.log
 			g, err = dra.New(cfg)
 		case "node-condition":
 			g, err = nodecondition.New(nodecondition.Config{Client: a.client, NodeName: a.cfg.NodeName,
