@@ -164,6 +164,8 @@ type Driver struct {
 	fatal chan error
 	// retry is signalled when the helper failed a write.
 	retry chan struct{}
+	// wiped is signalled when the node's slice was deleted.
+	wiped chan struct{}
 
 	// For the latency metric: the wanted taints and since when.
 	wantMu    sync.Mutex
@@ -202,7 +204,7 @@ func New(cfg Config) (*Driver, error) {
 		log = slog.Default()
 	}
 	return &Driver{cfg: cfg, log: log.With("component", "dra", "driver", cfg.DriverName, "node", cfg.NodeName),
-		fatal: make(chan error, 1), retry: make(chan struct{}, 1)}, nil
+		fatal: make(chan error, 1), retry: make(chan struct{}, 1), wiped: make(chan struct{}, 1)}, nil
 }
 
 // Name is the gate's --gate value.
@@ -292,10 +294,16 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 			}
 			holding = false
 			d.log.Warn("no ready verdict within the startup grace; publishing the not-ready state", "grace", d.cfg.StartupGrace, "failing", last.Failing)
+		case <-d.wiped:
+			// The helper would look again only after its 30 s sync
+			// delay; handing it the pool makes it sync now.
+			if holding {
+				continue
+			}
 		case <-d.retry:
-			// The helper retries a failed write with a backoff that
-			// grows to minutes; handing it the pool again retries at
-			// once, so the slice converges soon after an API outage.
+			// A failed write: the helper retries with a backoff that
+			// grows to minutes; handing it the pool again makes it sync
+			// at once, so the slice converges soon after an API outage.
 			if retryC == nil && !holding {
 				retryC = time.After(RetryInterval)
 			}
@@ -412,6 +420,15 @@ func (d *Driver) watchSlices(ctx context.Context) <-chan struct{} {
 			d.wantMu.Lock()
 			d.seenValid = false
 			d.wantMu.Unlock()
+			// The kubelet wipes every slice of its node when it starts
+			// (and a driver's when its connection is gone 30 s); the
+			// helper would only look again after its 30 s sync delay.
+			// Ask it now: pods need not wait half a minute for a slice
+			// of a driver that is serving.
+			select {
+			case d.wiped <- struct{}{}:
+			default:
+			}
 		},
 	})
 	done := make(chan struct{})

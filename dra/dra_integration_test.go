@@ -309,7 +309,13 @@ func TestIntegrationDRARestartIntoNotReadyTaintsAfterTheGrace(t *testing.T) {
 	again.Set(readiness.CNIInstalled, true, "")
 	again.Set(readiness.PodsSynced, true, "")
 	started := time.Now()
-	w.start(again, &counter{}, 2*time.Second)
+	d, _ := w.start(again, &counter{}, 2*time.Second)
+	// Meanwhile the slice still says ready (as after an agent was killed
+	// while ready): a pod bound now cannot start, prepare is refused.
+	c := w.claim("bound-meanwhile")
+	if r := prepare(t, dial(t, d), c)[string(c.UID)]; r == nil || !strings.Contains(r.Error, "not ready") {
+		t.Fatalf("prepare during the grace: %+v, want a refusal", r)
+	}
 	w.waitSlice(TaintKeyPrefix + "ztunnel-not-connected")
 	if took := time.Since(started); took < 2*time.Second {
 		t.Fatalf("tainted after %s, within the grace", took)
@@ -332,6 +338,29 @@ func TestIntegrationDRAUninstallRemovesTheSlice(t *testing.T) {
 	}
 	events := w.watchWrites()
 	w.quiet(events, 2*time.Second)
+}
+
+// The kubelet wipes its node's slices when it starts (and a driver's 30 s
+// after its connection went): the serving gate publishes again within
+// seconds, not after the helper's 30 s sync delay.
+func TestIntegrationDRARepublishesAWipedSlice(t *testing.T) {
+	w := newWorld(t)
+	setReady(w.ready)
+	w.start(w.ready, &counter{}, time.Minute)
+	before := w.waitSlice()
+	if err := w.admin.ResourceV1().ResourceSlices().DeleteCollection(context.Background(), metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	wiped := time.Now()
+	after := w.waitSlice()
+	if after.UID == before.UID {
+		t.Fatal("the same slice after the wipe")
+	}
+	if took := time.Since(wiped); took > 10*time.Second {
+		t.Fatalf("published again %s after the wipe", took)
+	} else {
+		t.Logf("published again %s after the wipe", took.Round(time.Millisecond))
+	}
 }
 
 // An API server outage while readiness flips: the slice converges to the
