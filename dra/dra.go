@@ -31,7 +31,8 @@
 //     flap the taint. The kubelet withdraws the slices of a driver whose
 //     connection is gone for 30 s, so a dead agent's slice does not claim
 //     readiness for long; it also withdraws them at its own start (node
-//     reboot), so pods wait for the agent instead of failing admission.
+//     reboot), so pods wait for the agent instead of failing admission, and
+//     the gate publishes again as soon as it sees the deletion.
 //   - Uninstall (the agent's removal decision) deletes the node's slices
 //     after the helper has stopped, so nothing writes them again.
 package dra
@@ -63,6 +64,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 
+	"github.com/inpod-dev/inpod/internal/atomicfile"
 	"github.com/inpod-dev/inpod/readiness"
 )
 
@@ -273,7 +275,12 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		defer t.Stop()
 		graceC = t.C
 	}
-	var last readiness.State
+	var (
+		last readiness.State
+		// known: last holds a state from the aggregate (it sends one at
+		// once), so a wipe or a retry never publishes a made-up one.
+		known bool
+	)
 	for {
 		select {
 		case <-ctx.Done():
@@ -281,7 +288,7 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		case err := <-d.fatal:
 			return err
 		case st := <-states:
-			last = st
+			last, known = st, true
 			d.setReady(st)
 			if holding && !st.Ready {
 				continue
@@ -297,14 +304,14 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		case <-d.wiped:
 			// The helper would look again only after its 30 s sync
 			// delay; handing it the pool makes it sync now.
-			if holding {
+			if holding || !known {
 				continue
 			}
 		case <-d.retry:
 			// A failed write: the helper retries with a backoff that
 			// grows to minutes; handing it the pool again makes it sync
 			// at once, so the slice converges soon after an API outage.
-			if retryC == nil && !holding {
+			if retryC == nil && !holding && known {
 				retryC = time.After(RetryInterval)
 			}
 			continue
@@ -601,30 +608,14 @@ func (d *Driver) loadCheckpoint() error {
 	return nil
 }
 
-// saveCheckpoint writes next atomically (temp file, fsync, rename) and
-// adopts it only once written.
+// saveCheckpoint writes next so no reader sees it half written, and adopts
+// it only once written.
 func (d *Driver) saveCheckpoint(next map[types.UID]string) error {
 	b, err := json.Marshal(checkpoint{Claims: next})
 	if err != nil {
 		return err
 	}
-	tmp := d.checkpointPath() + ".tmp"
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
-	if err != nil {
-		return fmt.Errorf("dra: record prepared claims: %w", err)
-	}
-	_, err = f.Write(b)
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp, d.checkpointPath())
-	}
-	if err != nil {
-		os.Remove(tmp)
+	if err := atomicfile.Write(d.checkpointPath(), b, 0o600); err != nil {
 		return fmt.Errorf("dra: record prepared claims: %w", err)
 	}
 	d.prepared = next
