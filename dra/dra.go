@@ -269,7 +269,8 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 	// Publish nothing until the first verdict of this agent: a slice a
 	// previous agent left is not re-tainted by this one's first moments.
 	holding := existing > 0 && d.cfg.StartupGrace > 0
-	var graceC, retryC <-chan time.Time
+	var graceC, retryC, wipeC <-chan time.Time
+	wipeChecks := 0
 	if holding {
 		t := time.NewTimer(d.cfg.StartupGrace)
 		defer t.Stop()
@@ -303,10 +304,21 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 			d.log.Warn("no ready verdict within the startup grace; publishing the not-ready state", "grace", d.cfg.StartupGrace, "failing", last.Failing)
 		case <-d.wiped:
 			// The helper would look again only after its 30 s sync
-			// delay; handing it the pool makes it sync now.
+			// delay; handing it the pool makes it sync now, and again
+			// until the slice is back: the helper's own watch may see
+			// the deletion after ours, and a sync before that is a no-op.
 			if holding || !known {
 				continue
 			}
+			wipeC, wipeChecks = time.After(wipeRecheck), 0
+		case <-wipeC:
+			wipeC = nil
+			// Bounded: a slice that cannot be written is the retry
+			// path's business.
+			if wipeChecks++; d.sliceSeen() || wipeChecks > maxWipeChecks {
+				continue
+			}
+			wipeC = time.After(wipeRecheck)
 		case <-d.retry:
 			// A failed write: the helper retries with a backoff that
 			// grows to minutes; handing it the pool again makes it sync
@@ -326,6 +338,20 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 
 // RetryInterval is how soon a failed slice write is retried.
 var RetryInterval = 2 * time.Second
+
+// wipeRecheck is how often a deleted slice is handed to the helper again
+// until it is back.
+const (
+	wipeRecheck   = 250 * time.Millisecond
+	maxWipeChecks = 40
+)
+
+// sliceSeen reports whether the gate's watch shows the node's slice.
+func (d *Driver) sliceSeen() bool {
+	d.wantMu.Lock()
+	defer d.wantMu.Unlock()
+	return d.seenValid
+}
 
 func (d *Driver) setReady(st readiness.State) {
 	d.mu.Lock()

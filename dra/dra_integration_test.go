@@ -462,8 +462,11 @@ func TestIntegrationDRAPrepareAndUnprepare(t *testing.T) {
 			t.Fatalf("prepare %s while not ready: %+v, want a refusal", uid, r)
 		}
 	}
-	if obs.refused != 1 || len(d.Prepared()) != 0 {
-		t.Fatalf("after a refusal: %d refused, recorded %v", obs.refused, d.Prepared())
+	obs.mu.Lock()
+	refused := obs.refused
+	obs.mu.Unlock()
+	if refused != 1 || len(d.Prepared()) != 0 {
+		t.Fatalf("after a refusal: %d refused, recorded %v", refused, d.Prepared())
 	}
 
 	setReady(w.ready)
