@@ -488,6 +488,7 @@ func (w *world) startAgentProcess(bin string) *agentProcess {
 		"--cni-source-dir", c.CNISourceDir, "--cni-bin-dir", c.CNIBinDir, "--cni-conf-dir", c.CNIConfDir,
 		"--state-dir", c.StateDir, "--redirect-backend", c.RedirectBackend,
 		"--host-netns", c.HostNetNS, "--device-plugin-dir", c.DevicePlugin.PluginDir, "--devices", "4",
+		"--gate", c.Gate, "--dra-registrar-dir", c.DRA.RegistrarDir, "--dra-plugin-dir", c.DRA.PluginDir,
 		"--health-addr", health, "--metrics-addr", freeAddr(w.t), "--log-level", "debug")
 	cmd.Stdout, cmd.Stderr = testWriter{w.t}, testWriter{w.t}
 	if err := cmd.Start(); err != nil {
