@@ -101,6 +101,7 @@ bench: deps ## benchmarks with medians, p99s and baselines
 	$(GO) test -run '^$$' -bench . -benchtime 200x ./agent/redirect/
 	INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh) $(GO) test -run '^$$' -bench . -benchtime 100x ./plugin/
 	$(GO) test -run '^$$' -bench . -benchtime 200x ./deviceplugin/
+	$(K8S_ENV) $(GO) test -tags integration -run '^$$' -bench DRAGateFlip -benchtime 100x -timeout 10m ./dra/
 	$(K8S_ENV) $(GO) test -tags integration -run '^$$' -bench Enrollment -benchtime 1x -timeout 20m ./agent/
 
 # Pinned Kubernetes and etcd binaries for the test node, cached outside the

@@ -37,6 +37,7 @@ import (
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/apiaccess"
 	"github.com/inpod-dev/inpod/deviceplugin"
+	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/passlist"
 	"github.com/inpod-dev/inpod/readiness"
@@ -94,6 +95,9 @@ type Config struct {
 	// DevicePlugin configures the device-plugin gate; its Observer, Logger
 	// and DevicesFrom are filled in by the agent.
 	DevicePlugin deviceplugin.Config
+	// DRA configures the dra gate; its Client, NodeName, Observer and
+	// Logger are filled in by the agent.
+	DRA dra.Config
 }
 
 // Agent is a running node agent.

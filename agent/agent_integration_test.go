@@ -30,6 +30,7 @@ import (
 	"github.com/inpod-dev/inpod/agent/enroll"
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/deviceplugin/kubelettest"
+	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
@@ -119,6 +120,7 @@ func newWorld(t testing.TB) *world {
 		ExcludedNamespaces: []string{"kube-system"}, HostNetNS: w.node.Path,
 		HealthAddr: "127.0.0.1:0", MetricsAddr: "127.0.0.1:0",
 		DevicePlugin: deviceplugin.Config{PluginDir: filepath.Join(sockDir, "device-plugins"), Devices: 4},
+		DRA:          dra.Config{RegistrarDir: filepath.Join(sockDir, "plugins_registry"), PluginDir: filepath.Join(sockDir, "dra")},
 	}
 	kubelet, err := kubelettest.Start(w.cfg.DevicePlugin.PluginDir)
 	if err != nil {
@@ -486,6 +488,7 @@ func (w *world) startAgentProcess(bin string) *agentProcess {
 		"--cni-source-dir", c.CNISourceDir, "--cni-bin-dir", c.CNIBinDir, "--cni-conf-dir", c.CNIConfDir,
 		"--state-dir", c.StateDir, "--redirect-backend", c.RedirectBackend,
 		"--host-netns", c.HostNetNS, "--device-plugin-dir", c.DevicePlugin.PluginDir, "--devices", "4",
+		"--gate", c.Gate, "--dra-registrar-dir", c.DRA.RegistrarDir, "--dra-plugin-dir", c.DRA.PluginDir,
 		"--health-addr", health, "--metrics-addr", freeAddr(w.t), "--log-level", "debug")
 	cmd.Stdout, cmd.Stderr = testWriter{w.t}, testWriter{w.t}
 	if err := cmd.Start(); err != nil {

@@ -13,7 +13,8 @@ func TestNewRejectsGatesItCannotBuild(t *testing.T) {
 	for _, tc := range []struct{ gate, want string }{
 		{"bogus", `unknown gate "bogus"`},
 		{"deviceplugin,bogus", `unknown gate "bogus"`},
-		{"dra", `gate "dra" is not available`},
+		{"dra,bogus", `unknown gate "bogus"`},
+		{"dra,dra", "twice"},
 		{"node-condition,bogus", `unknown gate "bogus"`},
 		{"none,deviceplugin", "none cannot be combined"},
 		{"deviceplugin,deviceplugin", "twice"},

@@ -6,13 +6,17 @@ import (
 	"slices"
 	"strings"
 
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+
 	"github.com/inpod-dev/inpod/deviceplugin"
+	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/nodecondition"
 	"github.com/inpod-dev/inpod/readiness"
 )
 
 // Gate makes scheduling onto this node follow readiness (deviceplugin,
-// node-condition; DRA next). The agent runs every configured
+// dra, node-condition). The agent runs every configured
 // gate alongside its other pieces: Run follows ready until ctx ends, and
 // its error stops the agent.
 type Gate interface {
@@ -23,10 +27,13 @@ type Gate interface {
 
 // gateNames are the --gate values the agent can build; "none" is the empty
 // list.
-var gateNames = []string{"deviceplugin", "node-condition"}
+var gateNames = []string{"deviceplugin", "dra", "node-condition"}
 
-// laterGates are named by the design but not built yet.
-var laterGates = []string{"dra"}
+// nodeRemover is a gate that leaves something on the node or in the API
+// that an uninstall must take away (after the gate has stopped).
+type nodeRemover interface {
+	RemoveFromNode(ctx context.Context) error
+}
 
 // gateList checks a --gate list before anything is built (New calls it
 // before it needs a cluster): an unknown name fails New.
@@ -42,8 +49,6 @@ func gateList(list string) ([]string, error) {
 		}
 		switch {
 		case name == "none" || slices.Contains(gateNames, name):
-		case slices.Contains(laterGates, name):
-			return nil, fmt.Errorf("agent: gate %q is not available in this version (want %s, or none)", name, strings.Join(gateNames, ", "))
 		default:
 			return nil, fmt.Errorf("agent: unknown gate %q (want %s, or none)", name, strings.Join(gateNames, ", "))
 		}
@@ -72,6 +77,17 @@ func (a *Agent) newGates(names []string) ([]Gate, error) {
 			cfg := a.cfg.DevicePlugin
 			cfg.Observer, cfg.Logger, cfg.DevicesFrom = a.Metrics, a.log, a.podCapacity
 			g, err = deviceplugin.New(cfg)
+		case "dra":
+			// A client of its own: client-go rate-limits per client (5
+			// requests/s by default), and a burst of annotation patches
+			// on the shared one would hold back a taint by seconds.
+			var own kubernetes.Interface
+			if own, err = kubernetes.NewForConfig(rest.CopyConfig(a.restCfg)); err != nil {
+				return nil, err
+			}
+			cfg := a.cfg.DRA
+			cfg.Client, cfg.NodeName, cfg.Observer, cfg.Logger = own, a.cfg.NodeName, a.Metrics, a.log
+			g, err = dra.New(cfg)
 		case "node-condition":
 			g, err = nodecondition.New(nodecondition.Config{Client: a.client, NodeName: a.cfg.NodeName,
 				Observer: a.Metrics, Logger: a.log})

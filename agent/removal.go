@@ -300,9 +300,17 @@ func (a *Agent) removeFromNode(p *pieces) error {
 	if err := os.RemoveAll(p.passListPath); err != nil {
 		errs = append(errs, err)
 	}
-	// Last, as the only step that needs the API server: the writer's loop
-	// has stopped with the agent, the pods' redirection annotations are
-	// removed here.
+	// Last, as the steps that need the API server. The gates have
+	// stopped, so a removed ResourceSlice is not written again; the
+	// writer's loop has stopped with the agent, the pods' redirection
+	// annotations are removed here.
+	for _, g := range a.gates {
+		if r, ok := g.(nodeRemover); ok {
+			if err := r.RemoveFromNode(ctx); err != nil {
+				errs = append(errs, fmt.Errorf("gate %s: %w", g.Name(), err))
+			}
+		}
+	}
 	if err := p.annotations.Flush(ctx); err != nil {
 		errs = append(errs, err)
 	}
@@ -310,6 +318,6 @@ func (a *Agent) removeFromNode(p *pieces) error {
 		a.log.Error("inpod was only partly removed from this node", "err", err)
 		return err
 	}
-	a.log.Info("inpod removed from this node: CNI plugin and configuration, every pod's rules, host probe rules")
+	a.log.Info("inpod removed from this node: CNI plugin and configuration, every pod's rules, host probe rules, the gates' objects")
 	return nil
 }

@@ -35,6 +35,10 @@ type Metrics struct {
 	gateHealthFlips   *prometheus.CounterVec
 	conditionWrites   *prometheus.CounterVec
 	conditionFailures prometheus.Counter
+	slicePublishes    prometheus.Counter
+	sliceTaintChanges *prometheus.CounterVec
+	sliceLatency      prometheus.Histogram
+	prepareRefusals   prometheus.Counter
 
 	mu        sync.Mutex
 	published bool
@@ -71,8 +75,17 @@ func NewMetrics() *Metrics {
 			Help: "Writes of the Node condition InPodRedirectionReady by the node-condition gate, by status (True, False)."}, []string{"status"}),
 		conditionFailures: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_node_condition_write_failures_total",
 			Help: "Failed reads or writes of the Node condition (each is retried with backoff)."}),
+		slicePublishes: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_dra_slice_publishes_total",
+			Help: "Writes of the node's ResourceSlice by the DRA gate, as seen in the API."}),
+		sliceTaintChanges: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_dra_taint_changes_total",
+			Help: "Changes of the DRA device's taints, by what they now say (tainted, untainted)."}, []string{"to"}),
+		sliceLatency: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "inpod_dra_slice_write_seconds",
+			Help:    "From a readiness change to the node's ResourceSlice saying so in the API.",
+			Buckets: []float64{.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30}}),
+		prepareRefusals: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_dra_prepare_refusals_total",
+			Help: "Claims the DRA gate refused to prepare because the node was not ready."}),
 	}
-	r.MustRegister(m.gateRegistrations, m.gateHealthFlips, m.conditionWrites, m.conditionFailures, m.enrollments, m.failures, m.removals, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
+	r.MustRegister(m.slicePublishes, m.sliceTaintChanges, m.sliceLatency, m.prepareRefusals, m.gateRegistrations, m.gateHealthFlips, m.conditionWrites, m.conditionFailures, m.enrollments, m.failures, m.removals, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -117,6 +130,24 @@ func (m *Metrics) ConditionWritten(status corev1.ConditionStatus) {
 
 // ConditionWriteFailed implements nodecondition.Observer.
 func (m *Metrics) ConditionWriteFailed() { m.conditionFailures.Inc() }
+
+// SlicePublished implements dra.Observer.
+func (m *Metrics) SlicePublished() { m.slicePublishes.Inc() }
+
+// TaintsChanged implements dra.Observer.
+func (m *Metrics) TaintsChanged(tainted bool) {
+	to := "untainted"
+	if tainted {
+		to = "tainted"
+	}
+	m.sliceTaintChanges.WithLabelValues(to).Inc()
+}
+
+// SliceWritten implements dra.Observer.
+func (m *Metrics) SliceWritten(took time.Duration) { m.sliceLatency.Observe(took.Seconds()) }
+
+// PrepareRefused implements dra.Observer.
+func (m *Metrics) PrepareRefused() { m.prepareRefusals.Inc() }
 
 // CNIRepaired counts a repair.
 func (m *Metrics) CNIRepaired() { m.cniRepairs.Inc() }

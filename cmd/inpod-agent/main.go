@@ -17,6 +17,7 @@ import (
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/cnievent"
 	"github.com/inpod-dev/inpod/deviceplugin"
+	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/internal/envflag"
 	"github.com/inpod-dev/inpod/zds"
 )
@@ -51,7 +52,7 @@ func run() error {
 	fs.StringVar(&cfg.HostNetNS, "host-netns", "/proc/self/ns/net", "the node's network namespace (for the kubelet probe rules and backend detection)")
 	fs.StringVar(&cfg.HealthAddr, "health-addr", ":15021", "address of /healthz and /readyz")
 	fs.StringVar(&cfg.MetricsAddr, "metrics-addr", ":15020", "address of /metrics")
-	fs.StringVar(&cfg.Gate, "gate", "deviceplugin", "how scheduling follows readiness: a comma list of gates, or none. deviceplugin: the extended resource --resource-name, Healthy only while ready; node-condition: the Node condition InPodRedirectionReady, written on each readiness change (for inpod-controller or node-readiness-controller; needs patch on nodes/status)")
+	fs.StringVar(&cfg.Gate, "gate", "deviceplugin", "how scheduling follows readiness: a comma list of gates, or none. deviceplugin: the extended resource --resource-name, Healthy only while ready; dra: a DRA kubelet plugin (driver redirection.inpod.dev) whose ResourceSlice device carries NoSchedule taints while not ready (Kubernetes >= 1.36; needs deploy/dra/deviceclass.yaml); node-condition: the Node condition InPodRedirectionReady, written on each readiness change (for inpod-controller or node-readiness-controller; needs patch on nodes/status)")
 	fs.StringVar(&cfg.PodName, "pod-name", "", "the agent's own pod (downward API metadata.name): at shutdown, if the DaemonSet controlling it (by UID) is gone or being deleted and no other inpod agent serves this node, the agent removes inpod from the node (CNI plugin and config, pod rules); empty: never")
 	fs.StringVar(&cfg.PodNamespace, "pod-namespace", "", "the agent's namespace (downward API metadata.namespace); holds its pod and the plugin's ServiceAccount")
 	fs.StringVar(&cfg.AgentSelector, "agent-selector", agent.DefaultAgentSelector, "label selector of inpod agent pods (any installation); another one on this node keeps an uninstall from removing inpod here")
@@ -59,6 +60,8 @@ func run() error {
 	fs.StringVar(&cfg.DevicePlugin.PluginDir, "device-plugin-dir", deviceplugin.DefaultPluginDir, "the kubelet's device plugin directory")
 	fs.StringVar(&cfg.DevicePlugin.ResourceName, "resource-name", deviceplugin.DefaultResourceName, "the extended resource pods request")
 	fs.IntVar(&cfg.DevicePlugin.Devices, "devices", 0, fmt.Sprintf("devices to advertise; 0: the Node's pod capacity (status.capacity.pods), or %d when it cannot be read", deviceplugin.DefaultDevices))
+	fs.StringVar(&cfg.DRA.RegistrarDir, "dra-registrar-dir", dra.DefaultRegistrarDir, "the kubelet's plugin registration directory (the dra gate registers there)")
+	fs.StringVar(&cfg.DRA.PluginDir, "dra-plugin-dir", dra.DefaultPluginDir, "the dra gate's own directory: its gRPC socket and its record of prepared claims (same path on the host and in the container)")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	err := envflag.Parse(fs, "inpod-agent: the inpod node agent (run as a DaemonSet with hostNetwork)", os.Args[1:])
 	if err == flag.ErrHelp {

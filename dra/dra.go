@@ -1,0 +1,664 @@
+// Package dra is the scheduling gate for clusters with Dynamic Resource
+// Allocation (resource.k8s.io/v1): a kubelet DRA plugin, driver
+// redirection.inpod.dev, built on the maintained helper
+// k8s.io/dynamic-resource-allocation/kubeletplugin (registration, the gRPC
+// services and ResourceSlice publishing are the helper's).
+//
+// The node's pool is one ResourceSlice with one device, "redirection",
+// that every pod on the node shares (allowMultipleAllocations). A
+// DeviceClass with extendedResourceName inpod.dev/redirection
+// (deploy/dra/deviceclass.yaml) lets pods keep requesting
+// inpod.dev/redirection: 1, as in device-plugin mode.
+//
+// The safety argument, against the promise "an enrolled pod never runs
+// unredirected, a pod outside the mesh is never blocked":
+//   - Not ready: the slice stays, but its device carries one NoSchedule
+//     device taint per failing readiness condition (key names it), so the
+//     scheduler allocates it to no new claim. Never NoExecute: a readiness
+//     flip never evicts a running pod (invariant 8).
+//   - A pod bound in any window (the taint not yet visible, or a slice left
+//     behind by an agent that died while ready) still cannot start:
+//     NodePrepareResources refuses while not ready, and the kubelet does not
+//     start a pod whose claims are not prepared; it retries. With no agent
+//     at all the kubelet cannot reach the driver and refuses too. Both fail
+//     closed; and the CNI plugin fails an enrolled pod's ADD without an
+//     agent regardless.
+//   - Pods that do not request the resource never meet this gate.
+//   - The slice is only written when what it says changes: an agent restart
+//     while ready rewrites nothing (the helper compares the desired slice
+//     with the stored one), and the first verdict after a restart is awaited
+//     for StartupGrace so the restart's own not-yet-ready moments do not
+//     flap the taint. The kubelet withdraws the slices of a driver whose
+//     connection is gone for 30 s, so a dead agent's slice does not claim
+//     readiness for long; it also withdraws them at its own start (node
+//     reboot), so pods wait for the agent instead of failing admission, and
+//     the gate publishes again as soon as it sees the deletion.
+//   - Uninstall (the agent's removal decision) deletes the node's slices
+//     after the helper has stopped, so nothing writes them again.
+package dra
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/go-logr/logr"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
+
+	"github.com/inpod-dev/inpod/internal/atomicfile"
+	"github.com/inpod-dev/inpod/readiness"
+)
+
+// Defaults of the design.
+const (
+	DefaultDriverName = "redirection.inpod.dev"
+	// DeviceName is the one device of the pool.
+	DeviceName          = "redirection"
+	DefaultRegistrarDir = kubeletplugin.KubeletRegistryDir
+	// DefaultPluginDir is where the plugin's socket and its record of
+	// prepared claims live: /var/lib/kubelet/plugins/<driver>.
+	DefaultPluginDir = kubeletplugin.KubeletPluginsDir + "/" + DefaultDriverName
+	// DefaultStartupGrace is how long a restarted agent waits for its
+	// first ready verdict before it taints a slice that a previous agent
+	// left untainted (ztunnel reconnects within seconds).
+	DefaultStartupGrace = 15 * time.Second
+	// TaintKeyPrefix starts every taint key; the rest names the condition.
+	TaintKeyPrefix = "redirection.inpod.dev/"
+	// checkpointFile, in the plugin dir, records the prepared claims.
+	checkpointFile = "prepared-claims.json"
+)
+
+// taintNames maps readiness conditions to taint key suffixes; a condition
+// this version does not know taints as "not-ready".
+var taintNames = map[string]string{
+	readiness.CNIInstalled:     "cni-not-installed",
+	readiness.ZtunnelConnected: "ztunnel-not-connected",
+	readiness.PodsSynced:       "pods-not-synced",
+}
+
+// TaintKeys are the device taint keys for a readiness state, sorted; none
+// when ready.
+func TaintKeys(st readiness.State) []string {
+	if st.Ready {
+		return nil
+	}
+	set := map[string]bool{}
+	for _, f := range st.Failing {
+		name, _, _ := strings.Cut(f, ": ")
+		suffix, ok := taintNames[name]
+		if !ok {
+			suffix = "not-ready"
+		}
+		set[TaintKeyPrefix+suffix] = true
+	}
+	if len(set) == 0 {
+		set[TaintKeyPrefix+"not-ready"] = true
+	}
+	keys := make([]string, 0, len(set))
+	for k := range set {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
+}
+
+// Observer counts what the gate does, for metrics.
+type Observer interface {
+	// SlicePublished counts a write of the node's slice seen in the API.
+	SlicePublished()
+	// TaintsChanged counts a change of the published taints (tainted: the
+	// device now carries at least one).
+	TaintsChanged(tainted bool)
+	// SliceWritten observes the time from a readiness change to the slice
+	// saying so in the API.
+	SliceWritten(took time.Duration)
+	// PrepareRefused counts a NodePrepareResources refused while not ready.
+	PrepareRefused()
+}
+
+// Config configures the gate.
+type Config struct {
+	Client   kubernetes.Interface
+	NodeName string
+	// DriverName defaults to DefaultDriverName.
+	DriverName string
+	// RegistrarDir is the kubelet's plugins_registry; PluginDir the
+	// plugin's own directory (socket, checkpoint). Both must be the same
+	// paths inside and outside the agent's container.
+	RegistrarDir, PluginDir string
+	// StartupGrace: see DefaultStartupGrace; negative means none.
+	StartupGrace time.Duration
+	Observer     Observer
+	Logger       *slog.Logger
+}
+
+// Driver is the DRA gate.
+type Driver struct {
+	cfg Config
+	log *slog.Logger
+
+	mu sync.Mutex
+	// ready is what NodePrepareResources follows.
+	ready bool
+	// prepared is the checkpointed record (claim UID → namespace/name).
+	prepared map[types.UID]string
+
+	// fatal carries an error the helper reports that must stop the gate.
+	fatal chan error
+	// retry is signalled when the helper failed a write.
+	retry chan struct{}
+	// wiped is signalled when the node's slice was deleted.
+	wiped chan struct{}
+
+	// For the latency metric: the wanted taints and since when.
+	wantMu    sync.Mutex
+	wantKeys  []string
+	wantSince time.Time
+	wantSet   bool
+	seenKeys  []string
+	seenValid bool
+}
+
+// New validates cfg.
+func New(cfg Config) (*Driver, error) {
+	if cfg.Client == nil {
+		return nil, errors.New("dra: no API client")
+	}
+	if cfg.NodeName == "" {
+		return nil, errors.New("dra: no node name")
+	}
+	if cfg.DriverName == "" {
+		cfg.DriverName = DefaultDriverName
+	}
+	if cfg.RegistrarDir == "" {
+		cfg.RegistrarDir = DefaultRegistrarDir
+	}
+	if cfg.PluginDir == "" {
+		cfg.PluginDir = filepath.Join(kubeletplugin.KubeletPluginsDir, cfg.DriverName)
+	}
+	if cfg.StartupGrace == 0 {
+		cfg.StartupGrace = DefaultStartupGrace
+	}
+	if cfg.Observer == nil {
+		cfg.Observer = nopObserver{}
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	return &Driver{cfg: cfg, log: log.With("component", "dra", "driver", cfg.DriverName, "node", cfg.NodeName),
+		fatal: make(chan error, 1), retry: make(chan struct{}, 1), wiped: make(chan struct{}, 1)}, nil
+}
+
+// Name is the gate's --gate value.
+func (d *Driver) Name() string { return "dra" }
+
+// PluginSocket is the DRA gRPC socket the kubelet dials.
+func (d *Driver) PluginSocket() string { return filepath.Join(d.cfg.PluginDir, "dra.sock") }
+
+// RegistrationSocket is the socket the kubelet's plugin watcher finds.
+func (d *Driver) RegistrationSocket() string {
+	return filepath.Join(d.cfg.RegistrarDir, d.cfg.DriverName+"-reg.sock")
+}
+
+// Run registers with the kubelet, serves it and publishes the node's pool,
+// following ready, until ctx ends. It stops the helper before returning,
+// so nothing writes the slice afterwards. A Driver runs once.
+func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
+	for _, dir := range []string{d.cfg.RegistrarDir, d.cfg.PluginDir} {
+		if err := os.MkdirAll(dir, 0o750); err != nil {
+			return fmt.Errorf("dra: %w", err)
+		}
+	}
+	if err := d.loadCheckpoint(); err != nil {
+		return err
+	}
+	states, cancel := ready.Subscribe()
+	defer cancel()
+
+	ctx, stop := context.WithCancel(ctx)
+	defer stop()
+	// The helper logs through klog; send it to the agent's logger.
+	ctx = klog.NewContext(ctx, logr.FromSlogHandler(d.log.Handler()))
+
+	existing, err := d.slices(ctx)
+	if err != nil {
+		// Not knowing only costs the grace: assume a slice exists.
+		d.log.Warn("cannot list the node's ResourceSlices; assuming one exists", "err", err)
+		existing = 1
+	}
+	watchDone := d.watchSlices(ctx)
+
+	helper, err := kubeletplugin.Start(ctx, d,
+		kubeletplugin.DriverName(d.cfg.DriverName),
+		kubeletplugin.KubeClient(d.cfg.Client),
+		kubeletplugin.NodeName(d.cfg.NodeName),
+		kubeletplugin.RegistrarDirectoryPath(d.cfg.RegistrarDir),
+		kubeletplugin.PluginDataDirectoryPath(d.cfg.PluginDir),
+		// No per-device health: readiness is what the taint says.
+		kubeletplugin.HealthService(false),
+	)
+	if err != nil {
+		return fmt.Errorf("dra: start the kubelet plugin: %w", err)
+	}
+	defer func() {
+		helper.Stop()
+		<-watchDone
+	}()
+	d.log.Info("DRA kubelet plugin serving", "socket", d.PluginSocket(), "registration", d.RegistrationSocket())
+
+	// Publish nothing until the first verdict of this agent: a slice a
+	// previous agent left is not re-tainted by this one's first moments.
+	holding := existing > 0 && d.cfg.StartupGrace > 0
+	var graceC, retryC, wipeC <-chan time.Time
+	wipeChecks := 0
+	if holding {
+		t := time.NewTimer(d.cfg.StartupGrace)
+		defer t.Stop()
+		graceC = t.C
+	}
+	var (
+		last readiness.State
+		// known: last holds a state from the aggregate (it sends one at
+		// once), so a wipe or a retry never publishes a made-up one.
+		known bool
+	)
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-d.fatal:
+			return err
+		case st := <-states:
+			last, known = st, true
+			d.setReady(st)
+			if holding && !st.Ready {
+				continue
+			}
+			holding, graceC = false, nil
+		case <-graceC:
+			graceC = nil
+			if !holding {
+				continue
+			}
+			holding = false
+			d.log.Warn("no ready verdict within the startup grace; publishing the not-ready state", "grace", d.cfg.StartupGrace, "failing", last.Failing)
+		case <-d.wiped:
+			// The helper would look again only after its 30 s sync
+			// delay; handing it the pool makes it sync now, and again
+			// until the slice is back: the helper's own watch may see
+			// the deletion after ours, and a sync before that is a no-op.
+			if holding || !known {
+				continue
+			}
+			wipeC, wipeChecks = time.After(wipeRecheck), 0
+		case <-wipeC:
+			wipeC = nil
+			// Bounded: a slice that cannot be written is the retry
+			// path's business.
+			if wipeChecks++; d.sliceSeen() || wipeChecks > maxWipeChecks {
+				continue
+			}
+			wipeC = time.After(wipeRecheck)
+		case <-d.retry:
+			// A failed write: the helper retries with a backoff that
+			// grows to minutes; handing it the pool again makes it sync
+			// at once, so the slice converges soon after an API outage.
+			if retryC == nil && !holding && known {
+				retryC = time.After(RetryInterval)
+			}
+			continue
+		case <-retryC:
+			retryC = nil
+		}
+		if err := d.publish(ctx, helper, last); err != nil {
+			return err
+		}
+	}
+}
+
+// RetryInterval is how soon a failed slice write is retried.
+var RetryInterval = 2 * time.Second
+
+// wipeRecheck is how often a deleted slice is handed to the helper again
+// until it is back.
+const (
+	wipeRecheck   = 250 * time.Millisecond
+	maxWipeChecks = 40
+)
+
+// sliceSeen reports whether the gate's watch shows the node's slice.
+func (d *Driver) sliceSeen() bool {
+	d.wantMu.Lock()
+	defer d.wantMu.Unlock()
+	return d.seenValid
+}
+
+func (d *Driver) setReady(st readiness.State) {
+	d.mu.Lock()
+	changed := d.ready != st.Ready
+	d.ready = st.Ready
+	d.mu.Unlock()
+	if changed {
+		if st.Ready {
+			d.log.Info("node ready: preparing claims, device untainted")
+		} else {
+			d.log.Warn("node NOT ready: refusing to prepare claims, device tainted", "failing", st.Failing)
+		}
+	}
+}
+
+// publish hands the helper the pool for st; the helper writes only what
+// differs from the stored slice, in the background.
+func (d *Driver) publish(ctx context.Context, helper *kubeletplugin.Helper, st readiness.State) error {
+	keys := TaintKeys(st)
+	d.wantMu.Lock()
+	if !d.wantSet || !slices.Equal(keys, d.wantKeys) {
+		d.wantKeys, d.wantSince, d.wantSet = keys, time.Now(), true
+	}
+	d.wantMu.Unlock()
+	if err := helper.PublishResources(ctx, Resources(d.cfg.NodeName, keys)); err != nil {
+		return fmt.Errorf("dra: publish: %w", err)
+	}
+	d.checkSeen()
+	return nil
+}
+
+// Resources is the node's pool with the given taints on its device.
+func Resources(nodeName string, taintKeys []string) resourceslice.DriverResources {
+	dev := resourceapi.Device{Name: DeviceName, AllowMultipleAllocations: ptr.To(true)}
+	for _, k := range taintKeys {
+		dev.Taints = append(dev.Taints, resourceapi.DeviceTaint{Key: k, Effect: resourceapi.DeviceTaintEffectNoSchedule})
+	}
+	return resourceslice.DriverResources{Pools: map[string]resourceslice.Pool{
+		nodeName: {Slices: []resourceslice.Slice{{Devices: []resourceapi.Device{dev}}}},
+	}}
+}
+
+// sliceSelector selects this driver's slices of this node.
+func (d *Driver) sliceSelector() string {
+	return fields.Set{resourceapi.ResourceSliceSelectorDriver: d.cfg.DriverName,
+		resourceapi.ResourceSliceSelectorNodeName: d.cfg.NodeName}.String()
+}
+
+func (d *Driver) slices(ctx context.Context) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	list, err := d.cfg.Client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: d.sliceSelector()})
+	if err != nil {
+		return 0, err
+	}
+	return len(list.Items), nil
+}
+
+// watchSlices follows the node's slices for the metrics: writes, taint
+// changes and the time from a readiness change to the slice saying so.
+func (d *Driver) watchSlices(ctx context.Context) <-chan struct{} {
+	sel := d.sliceSelector()
+	lw := cache.NewFilteredListWatchFromClient(d.cfg.Client.ResourceV1().RESTClient(), "resourceslices", "",
+		func(o *metav1.ListOptions) { o.FieldSelector = sel })
+	inf := cache.NewSharedIndexInformer(lw, &resourceapi.ResourceSlice{}, 0, cache.Indexers{})
+	seen := func(obj any, write bool) {
+		s, ok := obj.(*resourceapi.ResourceSlice)
+		if !ok {
+			return
+		}
+		if write {
+			d.cfg.Observer.SlicePublished()
+		}
+		var keys []string
+		for _, dev := range s.Spec.Devices {
+			for _, t := range dev.Taints {
+				if !slices.Contains(keys, t.Key) {
+					keys = append(keys, t.Key)
+				}
+			}
+		}
+		sort.Strings(keys)
+		d.wantMu.Lock()
+		if d.seenValid && !slices.Equal(keys, d.seenKeys) && write {
+			d.cfg.Observer.TaintsChanged(len(keys) > 0)
+		}
+		d.seenKeys, d.seenValid = keys, true
+		d.wantMu.Unlock()
+		d.checkSeen()
+	}
+	inf.AddEventHandler(cache.ResourceEventHandlerDetailedFuncs{
+		AddFunc: func(obj any, initial bool) { seen(obj, !initial) },
+		UpdateFunc: func(old, obj any) {
+			o, _ := old.(*resourceapi.ResourceSlice)
+			n, _ := obj.(*resourceapi.ResourceSlice)
+			seen(obj, o != nil && n != nil && o.ResourceVersion != n.ResourceVersion)
+		},
+		DeleteFunc: func(any) {
+			d.wantMu.Lock()
+			d.seenValid = false
+			d.wantMu.Unlock()
+			// The kubelet wipes every slice of its node when it starts
+			// (and a driver's when its connection is gone 30 s); the
+			// helper would only look again after its 30 s sync delay.
+			// Ask it now: pods need not wait half a minute for a slice
+			// of a driver that is serving.
+			select {
+			case d.wiped <- struct{}{}:
+			default:
+			}
+		},
+	})
+	done := make(chan struct{})
+	go func() { defer close(done); inf.Run(ctx.Done()) }()
+	return done
+}
+
+// checkSeen observes the latency once the API shows the wanted taints.
+func (d *Driver) checkSeen() {
+	d.wantMu.Lock()
+	defer d.wantMu.Unlock()
+	if d.wantSince.IsZero() || !d.seenValid || !slices.Equal(d.seenKeys, d.wantKeys) {
+		return
+	}
+	took := time.Since(d.wantSince)
+	d.wantSince = time.Time{}
+	d.cfg.Observer.SliceWritten(took)
+	d.log.Info("ResourceSlice says the node's readiness", "taints", d.wantKeys, "took", took)
+}
+
+// RemoveFromNode deletes this driver's slices of this node: for the
+// agent's uninstall, after Run has returned (the helper would write them
+// again otherwise). The kubelet would withdraw them some 30 s after the
+// plugin deregistered; this does not wait for that.
+func (d *Driver) RemoveFromNode(ctx context.Context) error {
+	rs := d.cfg.Client.ResourceV1().ResourceSlices()
+	list, err := rs.List(ctx, metav1.ListOptions{FieldSelector: d.sliceSelector()})
+	if err != nil {
+		return fmt.Errorf("dra: list the node's ResourceSlices: %w", err)
+	}
+	var errs []error
+	for _, s := range list.Items {
+		err := rs.Delete(ctx, s.Name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &s.UID}})
+		if err != nil && !apierrors.IsNotFound(err) {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("dra: delete the node's ResourceSlices: %w", err)
+	}
+	d.log.Info("removed the node's ResourceSlices", "slices", len(list.Items))
+	return nil
+}
+
+// PrepareResourceClaims implements kubeletplugin.DRAPlugin: the second
+// guard. While the node is not ready every claim is refused (the kubelet
+// retries and the pod waits); when ready each claim is recorded and its
+// allocated device returned. Repeats answer the same.
+func (d *Driver) PrepareResourceClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	out := make(map[types.UID]kubeletplugin.PrepareResult, len(claims))
+	if !d.ready {
+		for _, c := range claims {
+			d.cfg.Observer.PrepareRefused()
+			out[c.UID] = kubeletplugin.PrepareResult{Err: fmt.Errorf("node %s is not ready for redirection; refusing to prepare claim %s/%s", d.cfg.NodeName, c.Namespace, c.Name)}
+		}
+		d.log.Warn("refused to prepare claims: the node is not ready", "claims", len(claims))
+		return out, nil
+	}
+	next, added := maps(d.prepared), false
+	for _, c := range claims {
+		var devs []kubeletplugin.Device
+		if c.Status.Allocation != nil {
+			for _, r := range c.Status.Allocation.Devices.Results {
+				if r.Driver != d.cfg.DriverName {
+					continue
+				}
+				devs = append(devs, kubeletplugin.Device{Requests: []string{r.Request}, PoolName: r.Pool, DeviceName: r.Device, ShareID: r.ShareID})
+			}
+		}
+		if _, ok := next[c.UID]; !ok {
+			next[c.UID], added = c.Namespace+"/"+c.Name, true
+		}
+		out[c.UID] = kubeletplugin.PrepareResult{Devices: devs}
+	}
+	if added {
+		if err := d.saveCheckpoint(next); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+// UnprepareResourceClaims implements kubeletplugin.DRAPlugin: forgets the
+// claims; one never prepared (or forgotten before) is not an error.
+func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	out := make(map[types.UID]error, len(claims))
+	next := maps(d.prepared)
+	for _, c := range claims {
+		delete(next, c.UID)
+		out[c.UID] = nil
+	}
+	if len(next) != len(d.prepared) {
+		if err := d.saveCheckpoint(next); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+// Prepared lists the recorded claims (namespace/name), sorted.
+func (d *Driver) Prepared() []string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var out []string
+	for _, v := range d.prepared {
+		out = append(out, v)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// HandleError implements kubeletplugin.DRAPlugin. The API server dropping
+// fields of the slice (device taints or allowMultipleAllocations: features
+// off) would publish a device that looks ready while it is not: that stops
+// the gate, as does a failure of the helper's gRPC servers. Other
+// publishing errors are retried by the helper.
+func (d *Driver) HandleError(ctx context.Context, err error, msg string) {
+	var dropped *resourceslice.DroppedFieldsError
+	if errors.As(err, &dropped) || !errors.Is(err, kubeletplugin.ErrRecoverable) {
+		select {
+		case d.fatal <- fmt.Errorf("dra: %s: %w", msg, err):
+		default:
+		}
+		return
+	}
+	d.log.Warn("DRA helper: "+msg+"; retrying", "err", err)
+	select {
+	case d.retry <- struct{}{}:
+	default:
+	}
+}
+
+// WatchHealthStatus implements kubeletplugin.DRAPlugin; the health service
+// is off (readiness is what the taint says).
+func (d *Driver) WatchHealthStatus(context.Context, chan<- kubeletplugin.DeviceHealthReport) error {
+	return kubeletplugin.ErrHealthNotSupported
+}
+
+type checkpoint struct {
+	// Claims maps claim UID to namespace/name.
+	Claims map[types.UID]string `json:"claims"`
+}
+
+func (d *Driver) checkpointPath() string { return filepath.Join(d.cfg.PluginDir, checkpointFile) }
+
+func (d *Driver) loadCheckpoint() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.prepared = map[types.UID]string{}
+	b, err := os.ReadFile(d.checkpointPath())
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("dra: read the prepared claims: %w", err)
+	}
+	var cp checkpoint
+	if err := json.Unmarshal(b, &cp); err != nil {
+		// Only bookkeeping is lost: unprepare of an unknown claim succeeds.
+		d.log.Warn("the record of prepared claims is unreadable; starting a new one", "path", d.checkpointPath(), "err", err)
+		return nil
+	}
+	if cp.Claims != nil {
+		d.prepared = cp.Claims
+	}
+	return nil
+}
+
+// saveCheckpoint writes next so no reader sees it half written, and adopts
+// it only once written.
+func (d *Driver) saveCheckpoint(next map[types.UID]string) error {
+	b, err := json.Marshal(checkpoint{Claims: next})
+	if err != nil {
+		return err
+	}
+	if err := atomicfile.Write(d.checkpointPath(), b, 0o600); err != nil {
+		return fmt.Errorf("dra: record prepared claims: %w", err)
+	}
+	d.prepared = next
+	return nil
+}
+
+func maps(m map[types.UID]string) map[types.UID]string {
+	out := make(map[types.UID]string, len(m)+1)
+	for k, v := range m {
+		out[k] = v
+	}
+	return out
+}
+
+type nopObserver struct{}
+
+func (nopObserver) SlicePublished()            {}
+func (nopObserver) TaintsChanged(bool)         {}
+func (nopObserver) SliceWritten(time.Duration) {}
+func (nopObserver) PrepareRefused()            {}
