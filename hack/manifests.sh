@@ -2,8 +2,9 @@
 # Renders the chart into the plain manifests committed beside it (make
 # manifests), or with --check fails when they are stale (make test):
 #   deploy/manifests/inpod.yaml  the chart with default values, plus its Namespace
-#   deploy/rbac/{agent,plugin}.yaml  the RBAC templates alone (the agent's
-#                                integration tests apply them as shipped)
+#   deploy/rbac/{agent,plugin}.yaml  the RBAC templates alone, rendered with every
+#                                gate on (the agent's integration tests apply
+#                                them as shipped, whichever gate they test)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 helm="$repo/bin/helm"
@@ -21,8 +22,8 @@ render() { # out-dir
   } >"$out/manifests/inpod.yaml"
   for c in agent plugin; do
     {
-      echo "$header"
-      "$helm" template inpod "$chart" -n inpod-system --show-only "templates/rbac-$c.yaml" | sed '1{/^---$/d}'
+      echo "${header/default values/every gate on}"
+      "$helm" template inpod "$chart" -n inpod-system --set 'gates={deviceplugin,dra,node-condition}' --show-only "templates/rbac-$c.yaml" | sed '1{/^---$/d}'
     } >"$out/rbac/$c.yaml"
   done
 }
