@@ -139,6 +139,19 @@ func (c *writes) nodeWrites() int {
 	return n
 }
 
+// nonLease counts the writes other than the leader election's.
+func (c *writes) nonLease() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := 0
+	for k, v := range c.byPath {
+		if !strings.Contains(k, "/leases") {
+			n += v
+		}
+	}
+	return n
+}
+
 func (c *writes) setBefore(f func(r *http.Request)) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
