@@ -81,6 +81,7 @@ bench: deps ## benchmarks with medians, p99s and baselines
 	INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh) $(GO) test -run '^$$' -bench . -benchtime 100x ./plugin/
 	$(GO) test -run '^$$' -bench . -benchtime 200x ./deviceplugin/
 	$(K8S_ENV) $(GO) test -tags integration -run '^$$' -bench Enrollment -benchtime 1x -timeout 20m ./agent/
+	$(K8S_ENV) $(GO) test -tags integration -run '^$$' -bench TaintRemoval -benchtime 1x -timeout 10m ./taintcontroller/
 
 # Pinned Kubernetes and etcd binaries for the test node, cached outside the
 # repo (INPOD_CACHE_DIR, default /var/cache/inpod): ~17 min cold, seconds warm.

@@ -31,19 +31,29 @@ import (
 
 // Defaults of Config.
 const (
-	DefaultTaintKey       = "inpod.dev/not-ready"
-	DefaultTaintEffect    = corev1.TaintEffectNoSchedule
-	DefaultAgentSelector  = "app.kubernetes.io/name=inpod,app.kubernetes.io/component=agent"
-	DefaultNamespace      = "inpod-system"
-	DefaultLeaseName      = "inpod-controller"
-	DefaultGrace          = 30 * time.Second
-	DefaultWorkers        = 8
-	DefaultLeaseDuration  = 15 * time.Second
-	DefaultRenewDeadline  = 10 * time.Second
-	DefaultRetryPeriod    = 2 * time.Second
-	eventReasonRemoved    = "StartupTaintRemoved"
-	eventReasonAdded      = "StartupTaintAdded"
-	podNodeIndex          = "spec.nodeName"
+	DefaultTaintKey      = "inpod.dev/not-ready"
+	DefaultTaintEffect   = corev1.TaintEffectNoSchedule
+	DefaultAgentSelector = "app.kubernetes.io/name=inpod,app.kubernetes.io/component=agent"
+	DefaultNamespace     = "inpod-system"
+	DefaultLeaseName     = "inpod-controller"
+	DefaultGrace         = 30 * time.Second
+	DefaultWorkers       = 8
+	DefaultLeaseDuration = 15 * time.Second
+	DefaultRenewDeadline = 10 * time.Second
+	DefaultRetryPeriod   = 2 * time.Second
+	// DefaultQPS and DefaultBurst are the client-side rate limits
+	// inpod-controller's API client gets: a burst of 200 node writes (a
+	// pool of nodes turning ready at once) goes out without waiting.
+	DefaultQPS   = 100
+	DefaultBurst = 200
+)
+
+const (
+	eventReasonRemoved = "StartupTaintRemoved"
+	eventReasonAdded   = "StartupTaintAdded"
+	podNodeIndex       = "spec.nodeName"
+	// healthzLeaseTolerance: /healthz fails when this replica leads but
+	// has not renewed the Lease for this long past its deadline.
 	healthzLeaseTolerance = 20 * time.Second
 )
 

@@ -46,7 +46,15 @@ func newWorld(t testing.TB) *world {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cp.Stop() })
-	w := &world{cp: cp, admin: cp.Client}
+	// The test's own writes must not be held back by client-side rate
+	// limits (the benchmark writes 200 conditions at once).
+	rc := rest.CopyConfig(cp.Rest)
+	rc.QPS, rc.Burst = 1000, 1000
+	admin, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := &world{cp: cp, admin: admin}
 	if tt, ok := t.(*testing.T); ok {
 		w.t = tt
 	}
@@ -139,6 +147,24 @@ func (c *writes) nodeWrites() int {
 	return n
 }
 
+// byKind sums the writes by resource: nodes, events, leases, other.
+func (c *writes) byKind() map[string]int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := map[string]int{}
+	for k, v := range c.byPath {
+		kind := "other"
+		for _, r := range []string{"nodes", "events", "leases"} {
+			if strings.Contains(k, r+"/") || strings.HasSuffix(k, r) {
+				kind = r
+				break
+			}
+		}
+		out[kind] += v
+	}
+	return out
+}
+
 // nonLease counts the writes other than the leader election's.
 func (c *writes) nonLease() int {
 	c.mu.Lock()
@@ -167,7 +193,7 @@ func (f rtFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r)
 func (w *world) controllerClient(t testing.TB, c *writes) kubernetes.Interface {
 	rc := rest.CopyConfig(w.cp.Rest)
 	rc.Impersonate = rest.ImpersonationConfig{UserName: "system:serviceaccount:" + ns + ":inpod-controller"}
-	rc.QPS, rc.Burst = 500, 1000
+	rc.QPS, rc.Burst = DefaultQPS, DefaultBurst // as inpod-controller's
 	if c != nil {
 		rc.WrapTransport = c.RoundTrip
 	}

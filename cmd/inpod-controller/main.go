@@ -50,8 +50,8 @@ func run() error {
 	fs.DurationVar(&cfg.RetryPeriod, "retry-period", taintcontroller.DefaultRetryPeriod, "how often candidates try to acquire and the leader renews")
 	fs.StringVar(&cfg.HealthAddr, "health-addr", ":15021", "address of /healthz and /readyz")
 	fs.StringVar(&cfg.MetricsAddr, "metrics-addr", ":15020", "address of /metrics")
-	qps := fs.Float64("kube-api-qps", 50, "client-side limit of API requests per second")
-	burst := fs.Int("kube-api-burst", 100, "client-side burst of API requests")
+	qps := fs.Float64("kube-api-qps", taintcontroller.DefaultQPS, "client-side limit of API requests per second")
+	burst := fs.Int("kube-api-burst", taintcontroller.DefaultBurst, "client-side burst of API requests")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	err := envflag.Parse(fs, "inpod-controller: removes the startup taint from nodes whose inpod agent is ready (taint mode; run as a Deployment, leader-elected)", os.Args[1:])
 	if err == flag.ErrHelp {
