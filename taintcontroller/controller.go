@@ -380,10 +380,25 @@ func (r *reconciler) agents(node string) []*corev1.Pod {
 	return out
 }
 
+// agentsAnywhere says whether any agent pod, on any node, is not being
+// deleted. Terminating pods do not count: uninstalling deletes the
+// DaemonSet, and its pods terminate for a while.
+func (r *reconciler) agentsAnywhere() bool {
+	for _, o := range r.pods.List() {
+		if o.(*corev1.Pod).DeletionTimestamp == nil {
+			return true
+		}
+	}
+	return false
+}
+
 // plan decides for node as read, tracking how long it has been not ready.
 func (r *reconciler) plan(node *corev1.Node) (observation, action, time.Duration) {
 	c := r.c
 	o := observe(node, c.cfg.TaintKey, c.cfg.TaintEffect, r.agents(node.Name))
+	if c.cfg.Mode == Continuous && !o.tainted && !o.ready() && o.cond != "" {
+		o.agentsAnywhere = r.agentsAnywhere()
+	}
 	var notReadyFor time.Duration
 	c.mu.Lock()
 	// Keyed by UID: a Node recreated with the same name starts afresh.

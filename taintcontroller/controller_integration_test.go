@@ -12,6 +12,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/util/retry"
 
 	"github.com/inpod-dev/inpod/internal/testkit"
@@ -130,6 +131,9 @@ func TestIntegrationTaintContinuous(t *testing.T) {
 	const grace = 1500 * time.Millisecond
 	w.addNode(t, "a", nil, other)
 	w.addAgentPod(t, "a", true)
+	// Another node's agent: the DaemonSet is still there when a's pod goes.
+	w.addNode(t, "b", nil)
+	w.addAgentPod(t, "b", true)
 	w.setCondition(t, "a", corev1.ConditionTrue)
 	r := w.start(t, Config{Mode: Continuous, Grace: grace})
 	w.waitTainted(t, "a", false)
@@ -251,5 +255,63 @@ func TestIntegrationTaintConcurrentTaintChangeSurvives(t *testing.T) {
 				t.Fatalf("%d patches of node a, want 2 (refused, then decided again)", got)
 			}
 		})
+	}
+}
+
+// Continuous mode adds the taint only with evidence that the node is in the
+// mesh: never to a node that never reported the condition, and to none at
+// all once no agent pod is left (inpod being uninstalled: the DaemonSet's
+// pods terminating, then gone) — the taint would block every pod there.
+func TestIntegrationTaintContinuousNeverBlocksNodesOutsideTheMesh(t *testing.T) {
+	w := newWorld(t)
+	const grace = time.Second
+	ctx := context.Background()
+	if _, err := w.admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "plain"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	w.addNode(t, "a", nil)
+	w.addAgentPod(t, "a", true)
+	w.setCondition(t, "a", corev1.ConditionTrue)
+	r := w.start(t, Config{Mode: Continuous, Grace: grace})
+	w.waitTainted(t, "a", false)
+	start := time.Now()
+	w.barrier(t, nil)
+	testkit.Eventually(t, 10*time.Second, "three grace periods", func() bool { return time.Since(start) > 3*grace })
+	w.barrier(t, nil)
+	if w.tainted(t, "plain") || r.writes.count("PATCH nodes/plain") != 0 {
+		t.Fatal("continuous mode tainted a node that never reported InPodRedirectionReady")
+	}
+
+	// Uninstall: every agent pod terminates (held by a finalizer, as
+	// during the agent's own shutdown), then is gone.
+	pods, err := w.admin.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range pods.Items {
+		p.Finalizers = []string{"example.com/hold"}
+		if _, err := w.admin.CoreV1().Pods(ns).Update(ctx, &p, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if err := w.admin.CoreV1().Pods(ns).Delete(ctx, p.Name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	patches := r.writes.nodeWrites()
+	start = time.Now()
+	testkit.Eventually(t, 10*time.Second, "three grace periods", func() bool { return time.Since(start) > 3*grace })
+	if got := r.writes.nodeWrites(); got != patches || w.tainted(t, "a") {
+		t.Fatalf("%d Node writes while every agent pod was terminating (uninstall); node a tainted: %v", got-patches, w.tainted(t, "a"))
+	}
+	for _, p := range pods.Items {
+		patch := []byte(`{"metadata":{"finalizers":null}}`)
+		if _, err := w.admin.CoreV1().Pods(ns).Patch(ctx, p.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	start = time.Now()
+	testkit.Eventually(t, 10*time.Second, "three grace periods", func() bool { return time.Since(start) > 3*grace })
+	if got := r.writes.nodeWrites(); got != patches || w.tainted(t, "a") {
+		t.Fatalf("%d Node writes after every agent pod was gone (uninstall)", got-patches)
 	}
 }

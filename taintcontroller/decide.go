@@ -29,6 +29,10 @@ type observation struct {
 	// condSince is the condition's lastTransitionTime.
 	condSince  time.Time
 	agentReady bool // one of the node's agent pods is Ready and not terminating
+	// agentsAnywhere: the informer knows at least one agent pod, on any
+	// node. None at all means the agent DaemonSet is gone (uninstall) or
+	// was never deployed, not that every node turned unready at once.
+	agentsAnywhere bool
 }
 
 // ready is the positive evidence needed to remove the taint.
@@ -70,6 +74,15 @@ func decide(mode Mode, o observation, notReadyFor, grace time.Duration) (a actio
 		return none, 0
 	}
 	if o.tainted {
+		return none, 0
+	}
+	// Adding the taint blocks every pod without a toleration, also pods
+	// outside the mesh, so it needs evidence that the node is in the mesh
+	// at all: a node that never reported the condition (its agent does not
+	// run the node-condition gate, or no agent is meant to run there) is
+	// left alone, and so is every node once no agent pod is left anywhere
+	// (inpod being uninstalled).
+	if o.cond == "" || !o.agentsAnywhere {
 		return none, 0
 	}
 	// A False is the agent's own word: no grace.

@@ -30,11 +30,14 @@ func TestDecide(t *testing.T) {
 		{"bootstrap: ready, never tainted", Bootstrap, observation{cond: T, agentReady: true}, 0, markDone, 0},
 		{"continuous: ready and tainted", Continuous, observation{tainted: true, cond: T, agentReady: true}, 0, removeTaint, 0},
 		{"continuous: ready, untainted", Continuous, observation{cond: T, agentReady: true}, 0, none, 0},
-		{"continuous: False taints at once", Continuous, observation{cond: F, agentReady: true}, 0, addTaint, 0},
-		{"continuous: agent gone within grace", Continuous, observation{cond: T}, 10 * time.Second, none, 20 * time.Second},
-		{"continuous: agent gone past grace", Continuous, observation{cond: T}, grace, addTaint, 0},
-		{"continuous: Unknown past grace", Continuous, observation{cond: U, agentReady: true}, grace, addTaint, 0},
+		{"continuous: False taints at once", Continuous, observation{cond: F, agentReady: true, agentsAnywhere: true}, 0, addTaint, 0},
+		{"continuous: agent gone within grace", Continuous, observation{cond: T, agentsAnywhere: true}, 10 * time.Second, none, 20 * time.Second},
+		{"continuous: agent gone past grace", Continuous, observation{cond: T, agentsAnywhere: true}, grace, addTaint, 0},
+		{"continuous: Unknown past grace", Continuous, observation{cond: U, agentReady: true, agentsAnywhere: true}, grace, addTaint, 0},
 		{"continuous: already tainted", Continuous, observation{tainted: true, cond: F}, time.Hour, none, 0},
+		{"continuous: never reported a condition", Continuous, observation{agentReady: true, agentsAnywhere: true}, time.Hour, none, 0},
+		{"continuous: no agent pod anywhere (uninstall)", Continuous, observation{cond: T}, time.Hour, none, 0},
+		{"continuous: False but no agent pod anywhere", Continuous, observation{cond: F}, time.Hour, none, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			a, recheck := decide(tc.mode, tc.o, tc.notReadyFor, grace)

@@ -56,6 +56,11 @@
 //
 // continuous also adds the taint while the condition is False, or while the
 // node is not ready for another reason for longer than the grace period.
+// Adding needs evidence that the node is in the mesh, since the taint blocks
+// pods outside it too: a node that never reported the condition is never
+// tainted, and no node is while no agent pod (not terminating) exists
+// anywhere — the agent DaemonSet being deleted is an uninstall, not every
+// node failing at once.
 // The grace timer is held in memory: after a restart or a leader change it
 // starts again, which delays a re-taint by at most one grace period and
 // never removes a taint early.
