@@ -79,8 +79,8 @@ func TestIntegrationTaintRemovedOnlyWhenConditionTrueAndAgentReady(t *testing.T)
 	w.setCondition(t, "a", corev1.ConditionFalse)
 	w.deleteAgentPod(t, "a")
 	w.barrier(t, nil)
-	if w.tainted(t, "a") || r.writes.count("PATCH nodes/a") != 1 {
-		t.Fatalf("bootstrap re-tainted or wrote node a again (%d patches)", r.writes.count("PATCH nodes/a"))
+	if w.tainted(t, "a") || r.writes.accepted("PATCH nodes/a") != 1 {
+		t.Fatalf("bootstrap re-tainted or wrote node a again (%d patches accepted)", r.writes.accepted("PATCH nodes/a"))
 	}
 }
 
@@ -175,13 +175,13 @@ func TestIntegrationTaintContinuous(t *testing.T) {
 	// Back within the grace period: no taint at all.
 	w.setPodReady(t, "a", true)
 	w.waitTainted(t, "a", false)
-	patches := r.writes.count("PATCH nodes/a")
+	patches := r.writes.accepted("PATCH nodes/a")
 	w.setPodReady(t, "a", false)
 	w.setPodReady(t, "a", true)
 	w.barrier(t, nil)
 	testkit.Eventually(t, 10*time.Second, "the grace period passed", func() bool { return time.Since(start) > 3*grace })
 	w.barrier(t, nil)
-	if got := r.writes.count("PATCH nodes/a"); got != patches || w.tainted(t, "a") {
+	if got := r.writes.accepted("PATCH nodes/a"); got != patches || w.tainted(t, "a") {
 		t.Fatalf("an agent pod back within the grace period still led to %d writes", got-patches)
 	}
 	n := w.node(t, "a")
@@ -251,8 +251,11 @@ func TestIntegrationTaintConcurrentTaintChangeSurvives(t *testing.T) {
 			if got := withoutSystem(n.Spec.Taints); len(got) != 1 || got[0] != other {
 				t.Fatalf("taints %+v: the concurrent taint was lost", n.Spec.Taints)
 			}
-			if got := r.writes.count("PATCH nodes/a"); got != 2 {
-				t.Fatalf("%d patches of node a, want 2 (refused, then decided again)", got)
+			// The first refused (Conflict), then decided again on the fresh
+			// Node; a reconcile from a cache that has not caught up yet may
+			// try once more and be refused too. Exactly one lands.
+			if got, ok := r.writes.count("PATCH nodes/a"), r.writes.accepted("PATCH nodes/a"); got < 2 || ok != 1 {
+				t.Fatalf("%d patches of node a, %d accepted; want at least 2 (refused, then decided again), exactly 1 accepted", got, ok)
 			}
 		})
 	}

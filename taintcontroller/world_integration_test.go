@@ -102,7 +102,9 @@ func (w *world) applyRBAC(t testing.TB) {
 type writes struct {
 	mu     sync.Mutex
 	byPath map[string]int // "PATCH nodes/a"
-	total  atomic.Int64
+	// okByPath counts the writes the apiserver accepted (2xx).
+	okByPath map[string]int
+	total    atomic.Int64
 	// before, when set, runs before each request; it may act on the
 	// cluster through another client.
 	before func(r *http.Request)
@@ -116,16 +118,24 @@ func (c *writes) RoundTrip(next http.RoundTripper) http.RoundTripper {
 		if before != nil {
 			before(r)
 		}
-		if r.Method != http.MethodGet {
-			c.total.Add(1)
+		if r.Method == http.MethodGet {
+			return next.RoundTrip(r)
+		}
+		key := r.Method + " " + strings.TrimPrefix(r.URL.Path, "/api/v1/")
+		c.total.Add(1)
+		c.mu.Lock()
+		if c.byPath == nil {
+			c.byPath, c.okByPath = map[string]int{}, map[string]int{}
+		}
+		c.byPath[key]++
+		c.mu.Unlock()
+		resp, err := next.RoundTrip(r)
+		if err == nil && resp.StatusCode/100 == 2 {
 			c.mu.Lock()
-			if c.byPath == nil {
-				c.byPath = map[string]int{}
-			}
-			c.byPath[r.Method+" "+strings.TrimPrefix(r.URL.Path, "/api/v1/")]++
+			c.okByPath[key]++
 			c.mu.Unlock()
 		}
-		return next.RoundTrip(r)
+		return resp, err
 	})
 }
 
@@ -133,6 +143,12 @@ func (c *writes) count(key string) int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.byPath[key]
+}
+
+func (c *writes) accepted(key string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.okByPath[key]
 }
 
 func (c *writes) nodeWrites() int {
