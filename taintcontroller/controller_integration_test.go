@@ -191,6 +191,13 @@ func TestIntegrationTaintContinuous(t *testing.T) {
 	if _, ok := n.Annotations[DoneAnnotation]; ok {
 		t.Fatal("continuous mode wrote the bootstrap annotation")
 	}
+	m := metricValues(t, r.c.cfg.Metrics)
+	if removed, added := m["inpod_controller_taints_removed_total"], m["inpod_controller_taints_added_total"]; removed < 4 || added != 3 {
+		t.Fatalf("metrics: %v taints removed, %v added; want at least 4 removed (a and barriers) and 3 added", removed, added)
+	}
+	if m["inpod_controller_untaint_latency_seconds"] < 4 || m["inpod_controller_leader"] != 1 {
+		t.Fatalf("metrics: %v untaint latencies observed, leader %v", m["inpod_controller_untaint_latency_seconds"], m["inpod_controller_leader"])
+	}
 }
 
 func TestIntegrationTaintNodeSelector(t *testing.T) {
@@ -317,4 +324,28 @@ func TestIntegrationTaintContinuousNeverBlocksNodesOutsideTheMesh(t *testing.T) 
 	if got := r.writes.nodeWrites(); got != patches || w.tainted(t, "a") {
 		t.Fatalf("%d Node writes after every agent pod was gone (uninstall)", got-patches)
 	}
+}
+
+// metricValues reads the controller's series: a counter's or gauge's value,
+// a histogram's sample count.
+func metricValues(t *testing.T, m *Metrics) map[string]float64 {
+	t.Helper()
+	fams, err := m.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]float64{}
+	for _, f := range fams {
+		for _, mm := range f.GetMetric() {
+			switch {
+			case mm.Counter != nil:
+				out[f.GetName()] += mm.Counter.GetValue()
+			case mm.Gauge != nil:
+				out[f.GetName()] += mm.Gauge.GetValue()
+			case mm.Histogram != nil:
+				out[f.GetName()] += float64(mm.Histogram.GetSampleCount())
+			}
+		}
+	}
+	return out
 }
