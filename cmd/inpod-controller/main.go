@@ -31,16 +31,24 @@ func main() {
 	}
 }
 
-func run() error {
-	fs := flag.NewFlagSet("inpod-controller", flag.ContinueOnError)
-	var cfg taintcontroller.Config
-	kubeconfig := fs.String("kubeconfig", "", "kubeconfig to use instead of the in-cluster service account")
-	mode := fs.String("mode", string(taintcontroller.Bootstrap), "bootstrap: remove the startup taint once per node (recorded in the annotation "+taintcontroller.DoneAnnotation+"); continuous: also put it back while the node's condition is False, or its agent pod is missing or not Ready for longer than --grace")
-	taint := fs.String("taint", taintcontroller.DefaultTaintKey+":"+string(taintcontroller.DefaultTaintEffect), "the startup taint, key:effect (NoSchedule or PreferNoSchedule); only taints with this key and effect are ever edited")
+// options are the flags; define registers them on fs.
+type options struct {
+	cfg                               taintcontroller.Config
+	kubeconfig, mode, taint, logLevel *string
+	qps                               *float64
+	burst                             *int
+}
+
+func define(fs *flag.FlagSet) *options {
+	o := &options{}
+	cfg := &o.cfg
+	o.kubeconfig = fs.String("kubeconfig", "", "kubeconfig to use instead of the in-cluster service account")
+	o.mode = fs.String("mode", string(taintcontroller.Bootstrap), "bootstrap: remove the startup taint once per node (recorded in the annotation "+taintcontroller.DoneAnnotation+"); continuous: also put it back while the node's condition is False, or its agent pod is missing or not Ready for longer than --grace")
+	o.taint = fs.String("taint", taintcontroller.DefaultTaintKey+":"+string(taintcontroller.DefaultTaintEffect), "the startup taint, key:effect (NoSchedule or PreferNoSchedule); only taints with this key and effect are ever edited")
 	fs.StringVar(&cfg.NodeSelector, "node-selector", "", "label selector of the nodes in the mesh; other nodes are never touched (empty: every node)")
 	fs.StringVar(&cfg.AgentNamespace, "agent-namespace", taintcontroller.DefaultNamespace, "namespace of the inpod agent pods (empty: all namespaces)")
 	fs.StringVar(&cfg.AgentSelector, "agent-selector", taintcontroller.DefaultAgentSelector, "label selector of the inpod agent pods")
-	fs.DurationVar(&cfg.Grace, "grace", taintcontroller.DefaultGrace, "continuous mode: how long a node's agent pod may be missing or not Ready (or its condition missing) before the node is tainted again; an explicit False taints at once")
+	fs.DurationVar(&cfg.Grace, "grace", taintcontroller.DefaultGrace, "continuous mode: how long a node's agent pod may be missing or not Ready (or its condition Unknown) before the node is tainted again; an explicit False taints at once; a node that never reported the condition is never tainted")
 	fs.IntVar(&cfg.Workers, "workers", taintcontroller.DefaultWorkers, "nodes reconciled in parallel")
 	fs.StringVar(&cfg.LeaseNamespace, "lease-namespace", taintcontroller.DefaultNamespace, "namespace of the leader-election Lease (set it from the downward API: metadata.namespace)")
 	fs.StringVar(&cfg.LeaseName, "lease-name", taintcontroller.DefaultLeaseName, "name of the leader-election Lease")
@@ -50,9 +58,15 @@ func run() error {
 	fs.DurationVar(&cfg.RetryPeriod, "retry-period", taintcontroller.DefaultRetryPeriod, "how often candidates try to acquire and the leader renews")
 	fs.StringVar(&cfg.HealthAddr, "health-addr", ":15021", "address of /healthz and /readyz")
 	fs.StringVar(&cfg.MetricsAddr, "metrics-addr", ":15020", "address of /metrics")
-	qps := fs.Float64("kube-api-qps", taintcontroller.DefaultQPS, "client-side limit of API requests per second")
-	burst := fs.Int("kube-api-burst", taintcontroller.DefaultBurst, "client-side burst of API requests")
-	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
+	o.qps = fs.Float64("kube-api-qps", taintcontroller.DefaultQPS, "client-side limit of API requests per second")
+	o.burst = fs.Int("kube-api-burst", taintcontroller.DefaultBurst, "client-side burst of API requests")
+	o.logLevel = fs.String("log-level", "info", "debug, info, warn or error")
+	return o
+}
+
+func run() error {
+	fs := flag.NewFlagSet("inpod-controller", flag.ContinueOnError)
+	o := define(fs)
 	err := envflag.Parse(fs, "inpod-controller: removes the startup taint from nodes whose inpod agent is ready (taint mode; run as a Deployment, leader-elected)", os.Args[1:])
 	if err == flag.ErrHelp {
 		return nil
@@ -60,15 +74,16 @@ func run() error {
 	if err != nil {
 		return err
 	}
+	cfg := o.cfg
 	var level slog.Level
-	if err := level.UnmarshalText([]byte(*logLevel)); err != nil {
-		return fmt.Errorf("invalid --log-level %q: %v", *logLevel, err)
+	if err := level.UnmarshalText([]byte(*o.logLevel)); err != nil {
+		return fmt.Errorf("invalid --log-level %q: %v", *o.logLevel, err)
 	}
 	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
-	cfg.Mode = taintcontroller.Mode(*mode)
-	key, effect, ok := strings.Cut(*taint, ":")
+	cfg.Mode = taintcontroller.Mode(*o.mode)
+	key, effect, ok := strings.Cut(*o.taint, ":")
 	if !ok {
-		return fmt.Errorf("invalid --taint %q: want key:effect", *taint)
+		return fmt.Errorf("invalid --taint %q: want key:effect", *o.taint)
 	}
 	cfg.TaintKey, cfg.TaintEffect = key, corev1.TaintEffect(effect)
 	// A replica stopped by SIGTERM hands the Lease over at once instead
@@ -76,15 +91,15 @@ func run() error {
 	cfg.ReleaseOnCancel = true
 
 	var rc *rest.Config
-	if *kubeconfig != "" {
-		rc, err = clientcmd.BuildConfigFromFlags("", *kubeconfig)
+	if *o.kubeconfig != "" {
+		rc, err = clientcmd.BuildConfigFromFlags("", *o.kubeconfig)
 	} else {
 		rc, err = rest.InClusterConfig()
 	}
 	if err != nil {
 		return err
 	}
-	rc.QPS, rc.Burst = float32(*qps), *burst
+	rc.QPS, rc.Burst = float32(*o.qps), *o.burst
 	rc.UserAgent = "inpod-controller"
 	if cfg.Client, err = kubernetes.NewForConfig(rc); err != nil {
 		return err
