@@ -4,6 +4,10 @@ package taintcontroller
 
 import (
 	"context"
+	"io"
+	"net"
+	"net/http"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -143,4 +147,39 @@ func (f *failures) count() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.n
+}
+
+// /healthz, /readyz and /metrics on one address, as the Deployment probes
+// them.
+func TestIntegrationTaintHealthAndMetricsEndpoints(t *testing.T) {
+	w := newWorld(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	w.start(t, Config{Mode: Bootstrap, HealthAddr: addr, MetricsAddr: addr})
+	get := func(path string) (int, string) {
+		resp, err := http.Get("http://" + addr + path)
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+	testkit.Eventually(t, 30*time.Second, "leading with /metrics saying so", func() bool {
+		code, body := get("/metrics")
+		return code == http.StatusOK && strings.Contains(body, "\ninpod_controller_leader 1\n")
+	})
+	w.barrier(t, nil)
+	for _, p := range []string{"/healthz", "/readyz"} {
+		if code, body := get(p); code != http.StatusOK {
+			t.Fatalf("%s: %d %s", p, code, body)
+		}
+	}
+	if _, body := get("/metrics"); !strings.Contains(body, "\ninpod_controller_taints_removed_total 1\n") {
+		t.Fatalf("/metrics does not count the barrier's removal:\n%s", body)
+	}
 }
