@@ -39,11 +39,24 @@ func BenchmarkIntegrationTaintRemoval(b *testing.B) {
 	var (
 		mu      sync.Mutex
 		removed = map[string]time.Time{}
+		// seen: the bench's own watch saw the condition True — the
+		// baseline, one write→watch trip of this apiserver under this
+		// burst; the controller needs two such trips plus its own work.
+		seen = map[string]time.Time{}
 	)
 	f := informers.NewSharedInformerFactory(w.admin, 0)
 	inf := f.Core().V1().Nodes().Informer()
 	inf.AddEventHandler(cache.ResourceEventHandlerFuncs{UpdateFunc: func(_, obj any) {
 		n := obj.(*corev1.Node)
+		for _, c := range n.Status.Conditions {
+			if c.Type == "InPodRedirectionReady" && c.Status == corev1.ConditionTrue {
+				mu.Lock()
+				if _, ok := seen[n.Name]; !ok {
+					seen[n.Name] = time.Now()
+				}
+				mu.Unlock()
+			}
+		}
 		for _, t := range n.Spec.Taints {
 			if t.Key == taint.Key && t.Effect == taint.Effect {
 				return
@@ -62,6 +75,7 @@ func BenchmarkIntegrationTaintRemoval(b *testing.B) {
 	w.barrier(b, nil) // the controller leads and is synced
 	mu.Lock()
 	clear(removed)
+	clear(seen)
 	mu.Unlock()
 
 	b.ResetTimer()
@@ -100,21 +114,36 @@ func BenchmarkIntegrationTaintRemoval(b *testing.B) {
 	}
 	b.StopTimer()
 	mu.Lock()
-	var last time.Time
+	var (
+		last time.Time
+		base []time.Duration
+	)
 	for i, name := range names {
 		lat = append(lat, removed[name].Sub(written[i]))
+		if s, ok := seen[name]; ok {
+			base = append(base, s.Sub(written[i]))
+		}
 		if removed[name].After(last) {
 			last = removed[name]
 		}
 	}
 	mu.Unlock()
 	slices.Sort(lat)
+	slices.Sort(base)
 	q := func(p float64) time.Duration { return lat[int(p*float64(len(lat)-1))] }
+	bq := func(p float64) time.Duration {
+		if len(base) == 0 {
+			return 0
+		}
+		return base[int(p*float64(len(base)-1))]
+	}
 	b.ReportMetric(float64(q(0.5).Microseconds())/1000, "median-ms")
 	b.ReportMetric(float64(q(0.99).Microseconds())/1000, "p99-ms")
 	b.ReportMetric(float64(last.Sub(start).Microseconds())/1000, "all-removed-ms")
 	b.Logf("%d nodes: condition True → taint removed: median %s, p99 %s, max %s; the %d condition writes took %s, every taint gone %s after the first",
 		nodes, q(0.5), q(0.99), lat[len(lat)-1], nodes, burst.Round(time.Millisecond), last.Sub(start).Round(time.Millisecond))
+	b.Logf("baseline, the same writes seen by a watch (one write→watch trip): median %s, p99 %s; ratio of p99s %.1f",
+		bq(0.5), bq(0.99), float64(q(0.99))/float64(max(bq(0.99), time.Microsecond)))
 	if q(0.99) > time.Second {
 		b.Errorf("p99 %s, target under 1s", q(0.99))
 	}

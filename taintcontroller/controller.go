@@ -37,7 +37,11 @@ const (
 	DefaultNamespace     = "inpod-system"
 	DefaultLeaseName     = "inpod-controller"
 	DefaultGrace         = 30 * time.Second
-	DefaultWorkers       = 8
+	// DefaultWorkers: a reconcile mostly waits for its patch's round
+	// trip, so many nodes turning ready at once need many in flight (the
+	// client's QPS and burst still bound the load). make bench, 200 nodes
+	// at once: 8 workers, median 0.4–0.7 s; 32 workers, 0.15–0.22 s.
+	DefaultWorkers       = 32
 	DefaultLeaseDuration = 15 * time.Second
 	DefaultRenewDeadline = 10 * time.Second
 	DefaultRetryPeriod   = 2 * time.Second
