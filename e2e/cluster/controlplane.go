@@ -38,6 +38,9 @@ type Config struct {
 	// NodeIP is the address the node reports (default: the address of the
 	// interface holding the default route).
 	NodeIP string
+	// APIServerArgs are added to kube-apiserver's command line (e.g.
+	// --enable-admission-plugins NodeRestriction).
+	APIServerArgs []string
 }
 
 func (c *Config) defaults() error {
@@ -166,7 +169,7 @@ func (cp *ControlPlane) start(ctx context.Context) error {
 		"--authorization-mode", "Node,RBAC",
 		"--allow-privileged=true",
 		"--enable-priority-and-fairness=false",
-	}, cp.apiserverArgs...)
+	}, append(cp.apiserverArgs, cp.cfg.APIServerArgs...)...)
 	if err := cp.startAPIServer(); err != nil {
 		return err
 	}

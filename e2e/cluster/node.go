@@ -45,6 +45,10 @@ type NodeConfig struct {
 	// API). Static pods are not deleted through the API: remove their
 	// manifests before Stop.
 	StaticPodPath string
+	// BeforeKubelet, when set, runs once the control plane is up and
+	// before the kubelet starts (and registers its Node): e.g. to install
+	// an admission policy the registration must meet.
+	BeforeKubelet func(ctx context.Context, cp *ControlPlane) error
 }
 
 // Node is a single-node cluster.
@@ -167,6 +171,11 @@ func (n *Node) start(ctx context.Context) error {
 	}
 	if err := n.importImages(ctx); err != nil {
 		return err
+	}
+	if n.cfg.BeforeKubelet != nil {
+		if err := n.cfg.BeforeKubelet(ctx, n.ControlPlane); err != nil {
+			return err
+		}
 	}
 	if err := n.startKubelet(ports[2], ports[3]); err != nil {
 		return err

@@ -1,0 +1,114 @@
+// Command inpod-controller is inpod's taint-mode controller: it removes the
+// nodes' startup taint once the inpod agent reports the node ready (the
+// Node condition InPodRedirectionReady) and its agent pod is Ready, and in
+// continuous mode puts it back while the node is not. See package
+// taintcontroller.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/inpod-dev/inpod/internal/envflag"
+	"github.com/inpod-dev/inpod/taintcontroller"
+)
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "inpod-controller:", err)
+		os.Exit(1)
+	}
+}
+
+// options are the flags; define registers them on fs.
+type options struct {
+	cfg                               taintcontroller.Config
+	kubeconfig, mode, taint, logLevel *string
+	qps                               *float64
+	burst                             *int
+}
+
+func define(fs *flag.FlagSet) *options {
+	o := &options{}
+	cfg := &o.cfg
+	o.kubeconfig = fs.String("kubeconfig", "", "kubeconfig to use instead of the in-cluster service account")
+	o.mode = fs.String("mode", string(taintcontroller.Bootstrap), "bootstrap: remove the startup taint once per node (recorded in the annotation "+taintcontroller.DoneAnnotation+"); continuous: also put it back while the node's condition is False, or its agent pod is missing or not Ready for longer than --grace")
+	o.taint = fs.String("taint", taintcontroller.DefaultTaintKey+":"+string(taintcontroller.DefaultTaintEffect), "the startup taint, key:effect (NoSchedule or PreferNoSchedule); only taints with this key and effect are ever edited")
+	fs.StringVar(&cfg.NodeSelector, "node-selector", "", "label selector of the nodes in the mesh; other nodes are never touched (empty: every node)")
+	fs.StringVar(&cfg.AgentNamespace, "agent-namespace", taintcontroller.DefaultNamespace, "namespace of the inpod agent pods (empty: all namespaces)")
+	fs.StringVar(&cfg.AgentSelector, "agent-selector", taintcontroller.DefaultAgentSelector, "label selector of the inpod agent pods")
+	fs.DurationVar(&cfg.Grace, "grace", taintcontroller.DefaultGrace, "continuous mode: how long a node's agent pod may be missing or not Ready (or its condition Unknown) before the node is tainted again; an explicit False taints at once; a node that never reported the condition is never tainted")
+	fs.IntVar(&cfg.Workers, "workers", taintcontroller.DefaultWorkers, "nodes reconciled in parallel")
+	fs.StringVar(&cfg.LeaseNamespace, "lease-namespace", taintcontroller.DefaultNamespace, "namespace of the leader-election Lease (set it from the downward API: metadata.namespace)")
+	fs.StringVar(&cfg.LeaseName, "lease-name", taintcontroller.DefaultLeaseName, "name of the leader-election Lease")
+	fs.StringVar(&cfg.Identity, "identity", "", "this replica's identity in the Lease (set it from the downward API: metadata.name; empty: hostname, pid and start time)")
+	fs.DurationVar(&cfg.LeaseDuration, "lease-duration", taintcontroller.DefaultLeaseDuration, "how long a leader's Lease holds without renewal: the takeover time after a leader dies")
+	fs.DurationVar(&cfg.RenewDeadline, "renew-deadline", taintcontroller.DefaultRenewDeadline, "how long the leader keeps retrying a renewal before it stops leading")
+	fs.DurationVar(&cfg.RetryPeriod, "retry-period", taintcontroller.DefaultRetryPeriod, "how often candidates try to acquire and the leader renews")
+	fs.StringVar(&cfg.HealthAddr, "health-addr", ":15021", "address of /healthz and /readyz")
+	fs.StringVar(&cfg.MetricsAddr, "metrics-addr", ":15020", "address of /metrics")
+	o.qps = fs.Float64("kube-api-qps", taintcontroller.DefaultQPS, "client-side limit of API requests per second")
+	o.burst = fs.Int("kube-api-burst", taintcontroller.DefaultBurst, "client-side burst of API requests")
+	o.logLevel = fs.String("log-level", "info", "debug, info, warn or error")
+	return o
+}
+
+func run() error {
+	fs := flag.NewFlagSet("inpod-controller", flag.ContinueOnError)
+	o := define(fs)
+	err := envflag.Parse(fs, "inpod-controller: removes the startup taint from nodes whose inpod agent is ready (taint mode; run as a Deployment, leader-elected)", os.Args[1:])
+	if err == flag.ErrHelp {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	cfg := o.cfg
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(*o.logLevel)); err != nil {
+		return fmt.Errorf("invalid --log-level %q: %v", *o.logLevel, err)
+	}
+	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+	cfg.Mode = taintcontroller.Mode(*o.mode)
+	key, effect, ok := strings.Cut(*o.taint, ":")
+	if !ok {
+		return fmt.Errorf("invalid --taint %q: want key:effect", *o.taint)
+	}
+	cfg.TaintKey, cfg.TaintEffect = key, corev1.TaintEffect(effect)
+	// A replica stopped by SIGTERM hands the Lease over at once instead
+	// of after --lease-duration.
+	cfg.ReleaseOnCancel = true
+
+	var rc *rest.Config
+	if *o.kubeconfig != "" {
+		rc, err = clientcmd.BuildConfigFromFlags("", *o.kubeconfig)
+	} else {
+		rc, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		return err
+	}
+	rc.QPS, rc.Burst = float32(*o.qps), *o.burst
+	rc.UserAgent = "inpod-controller"
+	if cfg.Client, err = kubernetes.NewForConfig(rc); err != nil {
+		return err
+	}
+	c, err := taintcontroller.New(cfg)
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	return c.Run(ctx)
+}

@@ -1,0 +1,135 @@
+package taintcontroller
+
+import (
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/inpod-dev/inpod/nodecondition"
+)
+
+// Mode says whether the controller only removes the taint or also adds it.
+type Mode string
+
+const (
+	// Bootstrap removes the taint once per Node and never adds it.
+	Bootstrap Mode = "bootstrap"
+	// Continuous also adds the taint while the node is not ready.
+	Continuous Mode = "continuous"
+)
+
+// DoneAnnotation marks a Node whose taint bootstrap mode has removed.
+const DoneAnnotation = "inpod.dev/startup-taint-removed"
+
+// observation is what the controller knows about one node.
+type observation struct {
+	tainted bool // carries the startup taint (key and effect)
+	done    bool // DoneAnnotation present
+	cond    corev1.ConditionStatus
+	// condSince is the condition's lastTransitionTime.
+	condSince  time.Time
+	agentReady bool // one of the node's agent pods is Ready and not terminating
+	// agentsAnywhere: the informer knows at least one agent pod, on any
+	// node. None at all means the agent DaemonSet is gone (uninstall) or
+	// was never deployed, not that every node turned unready at once.
+	agentsAnywhere bool
+}
+
+// ready is the positive evidence needed to remove the taint.
+func (o observation) ready() bool {
+	return o.cond == corev1.ConditionTrue && o.agentReady
+}
+
+type action int
+
+const (
+	none action = iota
+	removeTaint
+	addTaint
+	// markDone records bootstrap as finished on a node that carries no
+	// taint (registered before the policy, or untainted by someone else).
+	markDone
+)
+
+// decide says what to do with a node. notReadyFor is how long the node has
+// been seen not ready without an explicit False (0 when it is ready). When
+// the answer may change by time alone, recheck says after how long.
+func decide(mode Mode, o observation, notReadyFor, grace time.Duration) (a action, recheck time.Duration) {
+	if mode == Bootstrap {
+		switch {
+		case o.done:
+			return none, 0
+		case !o.ready():
+			return none, 0
+		case o.tainted:
+			return removeTaint, 0
+		default:
+			return markDone, 0
+		}
+	}
+	if o.ready() {
+		if o.tainted {
+			return removeTaint, 0
+		}
+		return none, 0
+	}
+	if o.tainted {
+		return none, 0
+	}
+	// Adding the taint blocks every pod without a toleration, also pods
+	// outside the mesh, so it needs evidence that the node is in the mesh
+	// at all: a node that never reported the condition (its agent does not
+	// run the node-condition gate, or no agent is meant to run there) is
+	// left alone, and so is every node once no agent pod is left anywhere
+	// (inpod being uninstalled).
+	if o.cond == "" || !o.agentsAnywhere {
+		return none, 0
+	}
+	// A False is the agent's own word: no grace.
+	if o.cond == corev1.ConditionFalse || notReadyFor >= grace {
+		return addTaint, 0
+	}
+	return none, grace - notReadyFor
+}
+
+// observe reads a node and its agent pods.
+func observe(node *corev1.Node, key string, effect corev1.TaintEffect, agents []*corev1.Pod) observation {
+	var o observation
+	for _, t := range node.Spec.Taints {
+		if t.Key == key && t.Effect == effect {
+			o.tainted = true
+		}
+	}
+	_, o.done = node.Annotations[DoneAnnotation]
+	for _, c := range node.Status.Conditions {
+		if c.Type == nodecondition.ConditionType {
+			o.cond, o.condSince = c.Status, c.LastTransitionTime.Time
+		}
+	}
+	for _, p := range agents {
+		if p.DeletionTimestamp == nil && podReady(p) {
+			o.agentReady = true
+		}
+	}
+	return o
+}
+
+func podReady(p *corev1.Pod) bool {
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// withoutTaint is taints less every taint with key and effect.
+func withoutTaint(taints []corev1.Taint, key string, effect corev1.TaintEffect) []corev1.Taint {
+	out := make([]corev1.Taint, 0, len(taints))
+	for _, t := range taints {
+		if t.Key != key || t.Effect != effect {
+			out = append(out, t)
+		}
+	}
+	return out
+}

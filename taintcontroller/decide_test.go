@@ -1,0 +1,96 @@
+package taintcontroller
+
+import (
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/inpod-dev/inpod/nodecondition"
+)
+
+func TestDecide(t *testing.T) {
+	const grace = 30 * time.Second
+	T, F, U := corev1.ConditionTrue, corev1.ConditionFalse, corev1.ConditionUnknown
+	for _, tc := range []struct {
+		name        string
+		mode        Mode
+		o           observation
+		notReadyFor time.Duration
+		want        action
+		recheck     time.Duration
+	}{
+		{"bootstrap: ready and tainted", Bootstrap, observation{tainted: true, cond: T, agentReady: true}, 0, removeTaint, 0},
+		{"bootstrap: condition True, agent pod not Ready", Bootstrap, observation{tainted: true, cond: T}, time.Hour, none, 0},
+		{"bootstrap: agent Ready, condition False", Bootstrap, observation{tainted: true, cond: F, agentReady: true}, time.Hour, none, 0},
+		{"bootstrap: agent Ready, no condition", Bootstrap, observation{tainted: true, agentReady: true}, time.Hour, none, 0},
+		{"bootstrap: done, taint back", Bootstrap, observation{tainted: true, done: true, cond: T, agentReady: true}, 0, none, 0},
+		{"bootstrap: done, not ready, untainted", Bootstrap, observation{done: true, cond: F}, time.Hour, none, 0},
+		{"bootstrap: ready, never tainted", Bootstrap, observation{cond: T, agentReady: true}, 0, markDone, 0},
+		{"continuous: ready and tainted", Continuous, observation{tainted: true, cond: T, agentReady: true}, 0, removeTaint, 0},
+		{"continuous: ready, untainted", Continuous, observation{cond: T, agentReady: true}, 0, none, 0},
+		{"continuous: False taints at once", Continuous, observation{cond: F, agentReady: true, agentsAnywhere: true}, 0, addTaint, 0},
+		{"continuous: agent gone within grace", Continuous, observation{cond: T, agentsAnywhere: true}, 10 * time.Second, none, 20 * time.Second},
+		{"continuous: agent gone past grace", Continuous, observation{cond: T, agentsAnywhere: true}, grace, addTaint, 0},
+		{"continuous: Unknown past grace", Continuous, observation{cond: U, agentReady: true, agentsAnywhere: true}, grace, addTaint, 0},
+		{"continuous: already tainted", Continuous, observation{tainted: true, cond: F}, time.Hour, none, 0},
+		{"continuous: never reported a condition", Continuous, observation{agentReady: true, agentsAnywhere: true}, time.Hour, none, 0},
+		{"continuous: no agent pod anywhere (uninstall)", Continuous, observation{cond: T}, time.Hour, none, 0},
+		{"continuous: False but no agent pod anywhere", Continuous, observation{cond: F}, time.Hour, none, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, recheck := decide(tc.mode, tc.o, tc.notReadyFor, grace)
+			if a != tc.want || recheck != tc.recheck {
+				t.Fatalf("decide = %v, %v; want %v, %v", a, recheck, tc.want, tc.recheck)
+			}
+		})
+	}
+}
+
+func TestObserve(t *testing.T) {
+	ready := func(s corev1.ConditionStatus) []corev1.PodCondition {
+		return []corev1.PodCondition{{Type: corev1.PodReady, Status: s}}
+	}
+	now := metav1.Now()
+	node := &corev1.Node{
+		ObjectMeta: metav1.ObjectMeta{Name: "n", Annotations: map[string]string{DoneAnnotation: "x"}},
+		Spec: corev1.NodeSpec{Taints: []corev1.Taint{
+			{Key: DefaultTaintKey, Effect: corev1.TaintEffectPreferNoSchedule}, // other effect: not ours
+			{Key: "other", Effect: DefaultTaintEffect},
+		}},
+		Status: corev1.NodeStatus{Conditions: []corev1.NodeCondition{
+			{Type: corev1.NodeReady, Status: corev1.ConditionTrue},
+			{Type: nodecondition.ConditionType, Status: corev1.ConditionTrue, LastTransitionTime: now},
+		}},
+	}
+	terminating := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{DeletionTimestamp: &now}, Status: corev1.PodStatus{Conditions: ready(corev1.ConditionTrue)}}
+	notReady := &corev1.Pod{Status: corev1.PodStatus{Conditions: ready(corev1.ConditionFalse)}}
+	o := observe(node, DefaultTaintKey, DefaultTaintEffect, []*corev1.Pod{terminating, notReady})
+	if o.tainted || !o.done || o.cond != corev1.ConditionTrue || !o.condSince.Equal(now.Time) || o.agentReady {
+		t.Fatalf("observe = %+v", o)
+	}
+	readyPod := &corev1.Pod{Status: corev1.PodStatus{Conditions: ready(corev1.ConditionTrue)}}
+	node.Spec.Taints = append(node.Spec.Taints, corev1.Taint{Key: DefaultTaintKey, Effect: DefaultTaintEffect})
+	if o := observe(node, DefaultTaintKey, DefaultTaintEffect, []*corev1.Pod{notReady, readyPod}); !o.tainted || !o.agentReady {
+		t.Fatalf("observe = %+v, want tainted and agent Ready", o)
+	}
+	got := withoutTaint(node.Spec.Taints, DefaultTaintKey, DefaultTaintEffect)
+	if len(got) != 2 || got[0].Effect != corev1.TaintEffectPreferNoSchedule || got[1].Key != "other" {
+		t.Fatalf("withoutTaint = %+v", got)
+	}
+}
+
+func TestNewRejects(t *testing.T) {
+	for _, cfg := range []Config{
+		{},
+		{Client: fakeClient(), Mode: "sometimes"},
+		{Client: fakeClient(), TaintEffect: corev1.TaintEffectNoExecute},
+		{Client: fakeClient(), TaintKey: "not a key"},
+		{Client: fakeClient(), NodeSelector: "a in ("},
+	} {
+		if _, err := New(cfg); err == nil {
+			t.Errorf("New(%+v) accepted", cfg)
+		}
+	}
+}
