@@ -12,7 +12,6 @@ import (
 
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
 	resourcev1 "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -171,6 +170,19 @@ func TestIntegrationResourceRequestPolicy(t *testing.T) {
 			t.Errorf("pod %s/%s already requesting on its second container: the first gained it too", p.Namespace, p.Name)
 		}
 	}
+	// A sidecar (restartable init container) that already requests it: the
+	// pod asks for it once, not twice.
+	always := corev1.ContainerRestartPolicyAlways
+	sidecar := admit(pod("mesh", "already-sidecar", nil, func(p *corev1.Pod) {
+		p.Spec.InitContainers = []corev1.Container{{Name: "mesh-sidecar", Image: "sidecar", RestartPolicy: &always,
+			Resources: corev1.ResourceRequirements{
+				Requests: corev1.ResourceList{resourceName: resource.MustParse("1")},
+				Limits:   corev1.ResourceList{resourceName: resource.MustParse("1")},
+			}}}
+	}))
+	if n, _ := requests(sidecar); n != 0 {
+		t.Errorf("pod whose sidecar init container already requests %s: %d of its containers gained it too", resourceName, n)
+	}
 }
 
 // TestIntegrationNodeConfinementPolicy: with the chart's RBAC and
@@ -184,24 +196,12 @@ func TestIntegrationNodeConfinementPolicy(t *testing.T) {
 	a := startAPIServer(t)
 	ctx := context.Background()
 	admin := a.Client
-	objs := render(t)
+	// Every gate on: the agent's RBAC then grants all it can be given
+	// (nodes/status, ResourceSlices), so that the policy, not RBAC, is what
+	// is tested.
+	objs := render(t, "--set", "gates={deviceplugin,dra,node-condition}")
 	a.create(t, false, kinds(objs, "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
 		"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")...)
-	// ResourceSlices are the DRA gate's; until its RBAC is in the chart,
-	// grant them here so that the policy, not RBAC, is what is tested.
-	if _, err := admin.RbacV1().ClusterRoles().Create(ctx, &rbacv1.ClusterRole{
-		ObjectMeta: metav1.ObjectMeta{Name: "test-resourceslices"},
-		Rules:      []rbacv1.PolicyRule{{APIGroups: []string{"resource.k8s.io"}, Resources: []string{"resourceslices"}, Verbs: []string{"create", "update", "patch", "delete", "get"}}},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := admin.RbacV1().ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: "test-resourceslices"},
-		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: "test-resourceslices"},
-		Subjects:   []rbacv1.Subject{{Kind: "ServiceAccount", Name: "inpod-agent", Namespace: namespace}},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
 
 	for _, n := range []string{"node-a", "node-b"} {
 		if _, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n}}, metav1.CreateOptions{}); err != nil {
@@ -265,6 +265,23 @@ func TestIntegrationNodeConfinementPolicy(t *testing.T) {
 		_, err := c.ResourceV1().ResourceSlices().Create(ctx, s, metav1.CreateOptions{})
 		return err
 	}
+	relabel := func(c kubernetes.Interface, name string) error {
+		_, err := c.CoreV1().Pods("default").Patch(ctx, name, types.MergePatchType,
+			[]byte(`{"metadata":{"labels":{"app":"stolen-endpoints"}}}`), metav1.PatchOptions{})
+		return err
+	}
+	otherAnnotation := func(c kubernetes.Interface, name string) error {
+		_, err := c.CoreV1().Pods("default").Patch(ctx, name, types.MergePatchType,
+			[]byte(`{"metadata":{"annotations":{"example.com/other":"x"}}}`), metav1.PatchOptions{})
+		return err
+	}
+	otherDriverSlice := func(c kubernetes.Interface, node string) error {
+		s := slice(node)
+		s.Name += "-gpu"
+		s.Spec.Driver = "gpu.example.com"
+		_, err := c.ResourceV1().ResourceSlices().Create(ctx, s, metav1.CreateOptions{})
+		return err
+	}
 	sliceDelete := func(c kubernetes.Interface, node string) error {
 		return c.ResourceV1().ResourceSlices().Delete(ctx, "slice-"+node, metav1.DeleteOptions{})
 	}
@@ -280,6 +297,9 @@ func TestIntegrationNodeConfinementPolicy(t *testing.T) {
 	}{
 		{"annotate a pod of its node", annotate(agentA, "app-node-a"), ""},
 		{"annotate a pod of node B", annotate(agentA, "app-node-b"), "only pods bound to its node"},
+		{"relabel a pod of its node", relabel(agentA, "app-node-a"), "only the ambient.istio.io/redirection annotation"},
+		{"another annotation of a pod of its node", otherAnnotation(agentA, "app-node-a"), "only the ambient.istio.io/redirection annotation"},
+		{"create another driver's ResourceSlice on its node", otherDriverSlice(agentA, "node-a"), "driver redirection.inpod.dev"},
 		{"its Node's InPodRedirectionReady condition", condition(agentA, "node-a"), ""},
 		{"node B's condition", condition(agentA, "node-b"), "only its own Node"},
 		{"its Node's capacity", capacity(agentA, "node-a"), "only the InPodRedirectionReady condition"},

@@ -20,9 +20,9 @@ func TestIntegrationChartAcceptedByAPIServer(t *testing.T) {
 	a := startAPIServer(t)
 	for _, args := range [][]string{
 		nil,
-		{"--set", "gates={dra}"},
-		{"--set", "gates={node-condition}"},
-		{"--set", "gates={none}"},
+		{"--set", "gates={dra}", "--set-json", "enrollment.excludedNamespaces=[]"},
+		{"--set", "gates={node-condition}", "--set", "enrollment.autoRequest.enabled=false"},
+		{"--set", "gates={none}", "--set", "enrollment.autoRequest.enabled=false"},
 		{"--set", "gates={deviceplugin,node-condition}", "--set", "redirection.dnsCapture=true",
 			"--set", "agent.apiServer.host=127.0.0.1", "--set", "agent.apiServer.port=6443",
 			"--set", "enrollment.excludedNamespaces={kube-system,monitoring}", "--set", "agent.extraArgs={--log-level=debug}"},
