@@ -5,14 +5,25 @@
 // same call, the agent's RBAC and ServiceAccount: the agents still see their
 // DaemonSet go (through their open watch) and clean their nodes, but their
 // last step, removing the pods' redirection annotations, is refused.
+//
+// An agent that is not running when the uninstall starts (crash-looping, its
+// node offline) cannot clean its node: inpod-cni stays chained there, and its
+// agent-down check loses its credential with the ServiceAccount, so every
+// new pod on that node would fail. The hook cannot fix such a node, but it
+// must not hide it: it fails, naming the nodes, so Helm stops the uninstall
+// (keeping the RBAC) and the user cleans those nodes before finishing with
+// `helm uninstall --no-hooks`.
 package uninstallhook
 
 import (
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
+	"strings"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -25,18 +36,19 @@ type Config struct {
 	DaemonSet string
 	// Selector selects the agent pods to wait for.
 	Selector string
-	// Timeout bounds the wait; past it the hook gives up and succeeds, so
-	// an unreachable node (whose agent cannot clean up anyway) never blocks
-	// an uninstall.
+	// Timeout bounds the wait; past it the hook fails, naming the nodes
+	// whose agent is still there (an unreachable node cannot be cleaned by
+	// its agent).
 	Timeout time.Duration
 	// Poll is the interval between pod listings (default 1 s).
 	Poll   time.Duration
 	Logger *slog.Logger
 }
 
-// Run deletes the DaemonSet and waits until no agent pod remains, or the
-// timeout passes (then it logs what remains and returns nil). It fails only
-// when the DaemonSet cannot be deleted or the pods cannot be listed.
+// Run deletes the DaemonSet and waits until no agent pod remains. It fails
+// when an agent was not running at the start (its node keeps inpod), when
+// agents remain at the timeout, or when the API refuses it; the error names
+// the nodes left to clean by hand.
 func Run(ctx context.Context, cfg Config) error {
 	log := cfg.Logger
 	if log == nil {
@@ -45,8 +57,20 @@ func Run(ctx context.Context, cfg Config) error {
 	if cfg.Poll == 0 {
 		cfg.Poll = time.Second
 	}
+	// Read before the DaemonSet goes: once deleted, a crash-looping agent's
+	// pod disappears as fast as a clean one.
+	before, err := cfg.Client.CoreV1().Pods(cfg.Namespace).List(ctx, metav1.ListOptions{LabelSelector: cfg.Selector})
+	if err != nil {
+		return fmt.Errorf("uninstall hook: list agent pods: %w", err)
+	}
+	var notRunning []string
+	for _, p := range before.Items {
+		if !allRunning(&p) {
+			notRunning = append(notRunning, p.Spec.NodeName)
+		}
+	}
 	bg := metav1.DeletePropagationBackground
-	err := cfg.Client.AppsV1().DaemonSets(cfg.Namespace).Delete(ctx, cfg.DaemonSet, metav1.DeleteOptions{PropagationPolicy: &bg})
+	err = cfg.Client.AppsV1().DaemonSets(cfg.Namespace).Delete(ctx, cfg.DaemonSet, metav1.DeleteOptions{PropagationPolicy: &bg})
 	switch {
 	case apierrors.IsNotFound(err):
 		log.Info("agent DaemonSet already gone", "daemonset", cfg.DaemonSet)
@@ -64,16 +88,18 @@ func Run(ctx context.Context, cfg Config) error {
 			return fmt.Errorf("uninstall hook: list agent pods: %w", err)
 		}
 		if len(pods.Items) == 0 {
+			if len(notRunning) > 0 {
+				return uncleanError("their agent was not running when the uninstall began", notRunning)
+			}
 			log.Info("every agent has stopped")
 			return nil
 		}
 		if time.Now().After(deadline) {
-			var names []string
+			nodes := append([]string(nil), notRunning...)
 			for _, p := range pods.Items {
-				names = append(names, p.Spec.NodeName+"/"+p.Name)
+				nodes = append(nodes, p.Spec.NodeName)
 			}
-			log.Warn("agents still running at the timeout; uninstalling anyway (their nodes keep inpod until an agent runs there again or it is removed by hand)", "agents", names)
-			return nil
+			return uncleanError(fmt.Sprintf("their agent had not finished after %s", cfg.Timeout), nodes)
 		}
 		select {
 		case <-ctx.Done():
@@ -81,4 +107,27 @@ func Run(ctx context.Context, cfg Config) error {
 		case <-tick.C:
 		}
 	}
+}
+
+// allRunning says whether every container of an agent pod runs, the one
+// state in which its agent sees the DaemonSet go and cleans its node.
+func allRunning(p *corev1.Pod) bool {
+	if p.Status.Phase != corev1.PodRunning || len(p.Status.ContainerStatuses) == 0 {
+		return false
+	}
+	for _, c := range p.Status.ContainerStatuses {
+		if c.State.Running == nil {
+			return false
+		}
+	}
+	return true
+}
+
+func uncleanError(why string, nodes []string) error {
+	slices.Sort(nodes)
+	nodes = slices.Compact(nodes)
+	return fmt.Errorf("uninstall hook: inpod may still be chained in the CNI configuration of node(s) %s: %s. "+
+		"New pods there fail until it is removed (README: Uninstall, a node whose agent was down). "+
+		"Helm keeps the release; after cleaning those nodes, finish with: helm uninstall --no-hooks",
+		strings.Join(nodes, ", "), why)
 }

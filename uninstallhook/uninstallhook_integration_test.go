@@ -1,0 +1,148 @@
+//go:build integration
+
+package uninstallhook_test
+
+import (
+	"context"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/internal/testkit"
+	"github.com/inpod-dev/inpod/uninstallhook"
+)
+
+const ns = "inpod-system"
+
+var agentLabels = map[string]string{"app.kubernetes.io/name": "inpod", "app.kubernetes.io/component": "agent"}
+
+// TestIntegrationUninstallHook runs the hook against a real API server. The
+// test plays the garbage collector and the kubelets: once the DaemonSet is
+// gone, it deletes the agent pods (as their agents exit). An agent that was
+// running cleans its node; one that was crash-looping cleaned nothing, and
+// the hook must say so instead of letting Helm delete the RBAC as if all
+// were well.
+func TestIntegrationUninstallHook(t *testing.T) {
+	ctx := context.Background()
+	cp, err := cluster.StartControlPlane(ctx, cluster.Config{Root: filepath.Join(t.TempDir(), "cp")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cp.Stop() })
+	c := cp.Client
+	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	for _, tc := range []struct {
+		name    string
+		running map[string]bool // node → its agent's container runs
+		exits   bool            // the agents exit once the DaemonSet is gone
+		want    []string        // nodes the error names; none: success
+	}{
+		{"every agent running", map[string]bool{"node-a": true, "node-b": true}, true, nil},
+		{"one agent crash-looping", map[string]bool{"node-a": true, "node-b": false}, true, []string{"node-b"}},
+		{"an agent that never exits (node offline)", map[string]bool{"node-a": true}, false, []string{"node-a"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			createAgents(t, c, tc.running)
+			if !tc.exits {
+				t.Cleanup(func() { deleteAgents(t, c) })
+			}
+			done := make(chan error, 1)
+			go func() {
+				done <- uninstallhook.Run(ctx, uninstallhook.Config{
+					Client: c, Namespace: ns, DaemonSet: "inpod-agent",
+					Selector: "app.kubernetes.io/name=inpod,app.kubernetes.io/component=agent",
+					Timeout:  3 * time.Second, Poll: 50 * time.Millisecond,
+				})
+			}()
+			testkit.Eventually(t, 30*time.Second, "the hook to delete the DaemonSet", func() bool {
+				_, err := c.AppsV1().DaemonSets(ns).Get(ctx, "inpod-agent", metav1.GetOptions{})
+				return apierrors.IsNotFound(err)
+			})
+			if tc.exits {
+				deleteAgents(t, c)
+			}
+			var err error
+			select {
+			case err = <-done:
+			case <-time.After(30 * time.Second):
+				t.Fatal("the hook did not return")
+			}
+			if len(tc.want) == 0 {
+				if err != nil {
+					t.Fatalf("hook failed: %v", err)
+				}
+				return
+			}
+			if err == nil {
+				t.Fatalf("hook succeeded, want it to fail naming %v", tc.want)
+			}
+			for n := range tc.running {
+				named := strings.Contains(err.Error(), n)
+				wanted := false
+				for _, w := range tc.want {
+					wanted = wanted || w == n
+				}
+				if named != wanted {
+					t.Errorf("error names %s: %t, want %t: %v", n, named, wanted, err)
+				}
+			}
+			if !strings.Contains(err.Error(), "--no-hooks") {
+				t.Errorf("error does not say how to finish: %v", err)
+			}
+		})
+	}
+}
+
+func createAgents(t *testing.T, c kubernetes.Interface, running map[string]bool) {
+	t.Helper()
+	ctx := context.Background()
+	tmpl := corev1.PodSpec{Containers: []corev1.Container{{Name: "agent", Image: "inpod-agent"}}}
+	if _, err := c.AppsV1().DaemonSets(ns).Create(ctx, &appsv1.DaemonSet{
+		ObjectMeta: metav1.ObjectMeta{Name: "inpod-agent", Labels: agentLabels},
+		Spec: appsv1.DaemonSetSpec{
+			Selector: &metav1.LabelSelector{MatchLabels: agentLabels},
+			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: agentLabels}, Spec: tmpl},
+		},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for node, run := range running {
+		spec := tmpl
+		spec.NodeName = node
+		p, err := c.CoreV1().Pods(ns).Create(ctx, &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: "inpod-agent-" + node, Labels: agentLabels}, Spec: spec,
+		}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		state := corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: metav1.Now()}}
+		if !run {
+			state = corev1.ContainerState{Waiting: &corev1.ContainerStateWaiting{Reason: "CrashLoopBackOff"}}
+		}
+		p.Status = corev1.PodStatus{Phase: corev1.PodRunning,
+			ContainerStatuses: []corev1.ContainerStatus{{Name: "agent", Image: "inpod-agent", State: state}}}
+		if _, err := c.CoreV1().Pods(ns).UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func deleteAgents(t *testing.T, c kubernetes.Interface) {
+	t.Helper()
+	zero := int64(0)
+	if err := c.CoreV1().Pods(ns).DeleteCollection(context.Background(),
+		metav1.DeleteOptions{GracePeriodSeconds: &zero}, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=inpod"}); err != nil {
+		t.Error(err)
+	}
+}
