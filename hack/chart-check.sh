@@ -16,6 +16,25 @@ for gates in deviceplugin dra node-condition none deviceplugin,node-condition dr
 done
 echo "chart: lint and template pass for every gate value"
 
+# inpod-controller (taint mode): both modes, with the node-taint policy; the
+# controller's --taint and the policy's taint are one value.
+for mode in bootstrap continuous; do
+  args=(--set 'gates={node-condition}' --set controller.enabled=true --set controller.mode=$mode
+    --set controller.nodeTaintPolicy.enabled=true --set controller.taint.key=example.com/mesh-not-ready
+    --set-string 'controller.nodeSelector.example\.com/mesh=true')
+  "$helm" lint --strict "$chart" "${args[@]}" >/dev/null
+  out=$("$helm" template inpod "$chart" -n inpod-system "${args[@]}")
+  for want in "--mode=$mode" "--taint=example.com/mesh-not-ready:NoSchedule" "--node-selector=example.com/mesh=true" \
+    'key: "example.com/mesh-not-ready", effect: "NoSchedule"' 'example.com/mesh: "true"' "kind: MutatingAdmissionPolicyBinding"; do
+    grep -qF -- "$want" <<<"$out" || { echo "controller mode=$mode: rendered chart lacks $want" >&2; exit 1; }
+  done
+done
+out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}')
+if grep -q 'inpod-controller\|inpod-node-startup-taint' <<<"$out"; then
+  echo "controller.enabled=false still renders inpod-controller objects" >&2; exit 1
+fi
+echo "chart: inpod-controller renders in both modes with the node-taint policy"
+
 refuse() { # want-in-message, helm args...
   local want=$1; shift
   local out
@@ -33,6 +52,11 @@ refuse "zdsSocket" --set paths.zdsSocket=relative/ztunnel.sock
 refuse "terminationGracePeriodSeconds" --set agent.terminationGracePeriodSeconds=30
 refuse "excludedNamespaces" --set 'enrollment.excludedNamespaces={Kube_System}'
 refuse "unknownValue" --set unknownValue=1
-refuse "controller" --set controller.enabled=true
+refuse "controller/mode" --set controller.enabled=true --set controller.mode=sometimes
+refuse "controller/taint/effect" --set controller.enabled=true --set controller.taint.effect=NoExecute
+refuse "controller/taint/key" --set controller.enabled=true --set 'controller.taint.key=not a key'
+refuse "controller/grace" --set controller.enabled=true --set controller.grace=30
+refuse "controller/replicas" --set controller.enabled=true --set controller.replicas=0
+refuse "controller.nodeTaintPolicy.enabled needs node-condition" --set controller.enabled=true --set controller.nodeTaintPolicy.enabled=true
 refuse "metrics.service.enabled" --set metrics.service.enabled=false --set metrics.serviceMonitor.enabled=true
 echo "chart: the schema refuses wrong values, naming them"
