@@ -57,6 +57,7 @@ refuse "controller/taint/effect" --set controller.enabled=true --set controller.
 refuse "controller/taint/key" --set controller.enabled=true --set 'controller.taint.key=not a key'
 refuse "controller/grace" --set controller.enabled=true --set controller.grace=30
 refuse "controller/replicas" --set controller.enabled=true --set controller.replicas=0
+refuse "autoRequest.mode=webhook" --set controller.enabled=true --set enrollment.autoRequest.mode=webhook
 refuse "controller.nodeTaintPolicy.enabled needs node-condition" --set controller.enabled=true --set controller.nodeTaintPolicy.enabled=true
 refuse "metrics.service.enabled" --set metrics.service.enabled=false --set metrics.serviceMonitor.enabled=true
 echo "chart: the schema refuses wrong values, naming them"
