@@ -26,6 +26,13 @@ func TestIntegrationChartAcceptedByAPIServer(t *testing.T) {
 		{"--set", "gates={deviceplugin,node-condition}", "--set", "redirection.dnsCapture=true",
 			"--set", "agent.apiServer.host=127.0.0.1", "--set", "agent.apiServer.port=6443",
 			"--set", "enrollment.excludedNamespaces={kube-system,monitoring}", "--set", "agent.extraArgs={--log-level=debug}"},
+		// inpod-controller, taint mode, in both modes with the node-taint
+		// policy (and its binding's node selector).
+		{"--set", "gates={node-condition}", "--set", "controller.enabled=true", "--set", "controller.nodeTaintPolicy.enabled=true"},
+		{"--set", "gates={deviceplugin,node-condition}", "--set", "controller.enabled=true", "--set", "controller.mode=continuous",
+			"--set", "controller.nodeTaintPolicy.enabled=true", "--set", "controller.grace=1m30s",
+			"--set-string", `controller.nodeSelector.example\.com/mesh=true`,
+			"--set", "agent.apiServer.host=127.0.0.1", "--set", "agent.apiServer.port=6443"},
 	} {
 		objs := render(t, args...)
 		if len(objs) < 10 {

@@ -10,12 +10,15 @@ chart="$repo/deploy/helm/inpod"
 "$helm" lint --strict "$chart" >/dev/null
 for gates in deviceplugin dra node-condition none deviceplugin,node-condition dra,node-condition; do
   # Without a gate that advertises the resource, the request policy would
-  # hold every enrolled pod Pending: those gate values go without it.
+  # hold every enrolled pod Pending: it is rendered only with one.
   args=(--set "gates={$gates}")
-  case $gates in *deviceplugin*|*dra*) ;; *) args+=(--set enrollment.autoRequest.enabled=false) ;; esac
   out=$("$helm" template inpod "$chart" -n inpod-system "${args[@]}")
   want="--gate=$gates"
   grep -qF -- "$want" <<<"$out" || { echo "gates=$gates: rendered args lack $want" >&2; exit 1; }
+  case $gates in
+    *deviceplugin*|*dra*) grep -q 'name: inpod-redirection-request$' <<<"$out" || { echo "gates=$gates: no request policy" >&2; exit 1; } ;;
+    *) if grep -q 'name: inpod-redirection-request$' <<<"$out"; then echo "gates=$gates: request policy without a gate that advertises the resource" >&2; exit 1; fi ;;
+  esac
   "$helm" lint --strict "$chart" "${args[@]}" >/dev/null
 done
 # An empty exclusion list renders selectors the API server accepts (no
@@ -24,6 +27,25 @@ if "$helm" template inpod "$chart" -n inpod-system --set-json 'enrollment.exclud
   echo "excludedNamespaces=[] renders an empty NotIn" >&2; exit 1
 fi
 echo "chart: lint and template pass for every gate value"
+
+# inpod-controller (taint mode): both modes, with the node-taint policy; the
+# controller's --taint and the policy's taint are one value.
+for mode in bootstrap continuous; do
+  args=(--set 'gates={node-condition}' --set controller.enabled=true --set controller.mode=$mode
+    --set controller.nodeTaintPolicy.enabled=true --set controller.taint.key=example.com/mesh-not-ready
+    --set-string 'controller.nodeSelector.example\.com/mesh=true')
+  "$helm" lint --strict "$chart" "${args[@]}" >/dev/null
+  out=$("$helm" template inpod "$chart" -n inpod-system "${args[@]}")
+  for want in "--mode=$mode" "--taint=example.com/mesh-not-ready:NoSchedule" "--node-selector=example.com/mesh=true" \
+    'key: "example.com/mesh-not-ready", effect: "NoSchedule"' 'example.com/mesh: "true"' "kind: MutatingAdmissionPolicyBinding"; do
+    grep -qF -- "$want" <<<"$out" || { echo "controller mode=$mode: rendered chart lacks $want" >&2; exit 1; }
+  done
+done
+out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}')
+if grep -q 'inpod-controller\|inpod-node-startup-taint' <<<"$out"; then
+  echo "controller.enabled=false still renders inpod-controller objects" >&2; exit 1
+fi
+echo "chart: inpod-controller renders in both modes with the node-taint policy"
 
 refuse() { # want-in-message, helm args...
   local want=$1; shift
@@ -42,10 +64,14 @@ refuse "zdsSocket" --set paths.zdsSocket=relative/ztunnel.sock
 refuse "terminationGracePeriodSeconds" --set agent.terminationGracePeriodSeconds=30
 refuse "excludedNamespaces" --set 'enrollment.excludedNamespaces={Kube_System}'
 refuse "unknownValue" --set unknownValue=1
-refuse "controller" --set controller.enabled=true
-refuse "no gate in gates advertises it" --set 'gates={node-condition}'
-refuse "no gate in gates advertises it" --set 'gates={none}'
 refuse "maxUnavailable" --set agent.maxUnavailable=0
 refuse "timeoutSeconds" --set uninstallHook.timeoutSeconds=600
+refuse "controller/mode" --set controller.enabled=true --set controller.mode=sometimes
+refuse "controller/taint/effect" --set controller.enabled=true --set controller.taint.effect=NoExecute
+refuse "controller/taint/key" --set controller.enabled=true --set 'controller.taint.key=not a key'
+refuse "controller/grace" --set controller.enabled=true --set controller.grace=30
+refuse "controller/replicas" --set controller.enabled=true --set controller.replicas=0
+refuse "autoRequest.mode=webhook" --set controller.enabled=true --set enrollment.autoRequest.mode=webhook
+refuse "controller.nodeTaintPolicy.enabled needs node-condition" --set controller.enabled=true --set controller.nodeTaintPolicy.enabled=true
 refuse "metrics.service.enabled" --set metrics.service.enabled=false --set metrics.serviceMonitor.enabled=true
 echo "chart: the schema refuses wrong values, naming them"

@@ -14,7 +14,7 @@ cd "$repo"
 render() { # out-dir
   local out=$1 header
   header="# Generated from $chart by \`make manifests\` (helm template, default values): edit the chart, not this file."
-  mkdir -p "$out/manifests" "$out/rbac"
+  mkdir -p "$out/manifests" "$out/rbac" "$out/controller"
   {
     echo "$header"
     printf -- '---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: inpod-system\n'
@@ -26,17 +26,25 @@ render() { # out-dir
       "$helm" template inpod "$chart" -n inpod-system --set 'gates={deviceplugin,dra,node-condition}' --show-only "templates/rbac-$c.yaml" | sed '1{/^---$/d}'
     } >"$out/rbac/$c.yaml"
   done
+  for t in rbac deployment node-taint-policy; do
+    {
+      echo "${header/default values/controller.enabled, controller.nodeTaintPolicy.enabled}"
+      "$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}' \
+        --set controller.enabled=true --set controller.nodeTaintPolicy.enabled=true \
+        --show-only "templates/controller-$t.yaml" | sed '1{/^---$/d}'
+    } >"$out/controller/$t.yaml"
+  done
 }
 
 if [ "${1:-}" = --check ]; then
   tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
   render "$tmp"
   stale=0
-  for f in manifests/inpod.yaml rbac/agent.yaml rbac/plugin.yaml; do
+  for f in manifests/inpod.yaml rbac/agent.yaml rbac/plugin.yaml controller/rbac.yaml controller/deployment.yaml controller/node-taint-policy.yaml; do
     if ! diff -u "deploy/$f" "$tmp/$f"; then stale=1; fi
   done
   if [ $stale = 1 ]; then
-    echo "deploy/manifests or deploy/rbac is out of date with the chart: run 'make manifests' and commit" >&2
+    echo "deploy/manifests, deploy/rbac or deploy/controller is out of date with the chart: run 'make manifests' and commit" >&2
     exit 1
   fi
 else

@@ -63,7 +63,7 @@ func TestProductImagesAreReproducible(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, f := range []string{"inpod-agent.tar", "ztunnel-standin.tar"} {
+	for _, f := range []string{"inpod-agent.tar", "inpod-controller.tar", "ztunnel-standin.tar"} {
 		if first[f] == "" || first[f] != second[f] {
 			t.Errorf("%s: digest %q, then %q from the same tree", f, first[f], second[f])
 		}

@@ -12,16 +12,18 @@ import (
 // The images inpod ships (and its test peer). Their repositories are the
 // chart's defaults; Tag is the version, "dev" for local builds.
 const (
-	AgentRepository   = "ghcr.io/inpod-dev/inpod-agent"
-	StandInRepository = "ghcr.io/inpod-dev/ztunnel-standin"
-	DevTag            = "dev"
+	AgentRepository      = "ghcr.io/inpod-dev/inpod-agent"
+	ControllerRepository = "ghcr.io/inpod-dev/inpod-controller"
+	StandInRepository    = "ghcr.io/inpod-dev/ztunnel-standin"
+	DevTag               = "dev"
 )
 
 // Paths inside the agent image. CNIDir is the agent's --cni-source-dir
 // default: the plugin binaries it copies onto the node.
 const (
-	AgentBinary = "/usr/local/bin/inpod-agent"
-	CNIDir      = "/opt/inpod/bin"
+	AgentBinary      = "/usr/local/bin/inpod-agent"
+	ControllerBinary = "/usr/local/bin/inpod-controller"
+	CNIDir           = "/opt/inpod/bin"
 )
 
 // iptablesTools are the commands the agent's iptables backends run
@@ -100,6 +102,27 @@ func Agent(ctx context.Context, repoDir, tag string) (Spec, error) {
 	}, nil
 }
 
+// Controller is the inpod-controller image (taint mode): the static binary
+// alone. It talks only to the API server, through the in-cluster service
+// account (whose CA the pod mounts), so it needs no CA bundle or shell; the
+// chart runs it as a non-root user with a read-only root filesystem.
+func Controller(ctx context.Context, repoDir, tag string) (Spec, error) {
+	data, err := GoBinary(ctx, repoDir, "./cmd/inpod-controller")
+	if err != nil {
+		return Spec{}, err
+	}
+	return Spec{
+		Ref:        ControllerRepository + ":" + tag,
+		Files:      []File{{Path: ControllerBinary, Mode: 0o755, Data: data}},
+		Entrypoint: []string{ControllerBinary},
+		Labels: map[string]string{
+			"org.opencontainers.image.title":       "inpod-controller",
+			"org.opencontainers.image.description": "inpod-controller: removes the startup taint from nodes whose inpod agent is ready (taint mode)",
+			"org.opencontainers.image.source":      "https://github.com/inpod-dev/inpod",
+		},
+	}, nil
+}
+
 // StandIn is the ztunnel-standin image: a test peer that plays ztunnel on
 // the ZDS socket for the demo and the e2e tests. It is not a proxy.
 func StandIn(ctx context.Context, repoDir, tag string) (Spec, error) {
@@ -135,7 +158,7 @@ func Products(ctx context.Context, repoDir, tag, outDir string) (map[string]stri
 	for _, b := range []struct {
 		file  string
 		build func(context.Context, string, string) (Spec, error)
-	}{{"inpod-agent.tar", Agent}, {"ztunnel-standin.tar", StandIn}} {
+	}{{"inpod-agent.tar", Agent}, {"inpod-controller.tar", Controller}, {"ztunnel-standin.tar", StandIn}} {
 		spec, err := b.build(ctx, repoDir, tag)
 		if err != nil {
 			return nil, err

@@ -1,6 +1,6 @@
 // Command images builds inpod's image tarballs without Docker (make
-// images): inpod-agent and ztunnel-standin (a test peer), written into --out
-// and printed with their digests. Import them with
+// images): inpod-agent, inpod-controller and ztunnel-standin (a test
+// peer), written into --out and printed with their digests. Import them with
 // `ctr -n k8s.io images import` or `docker load`.
 package main
 

@@ -24,3 +24,21 @@ app.kubernetes.io/component: agent
 {{- define "inpod.agentUser" -}}
 system:serviceaccount:{{ .Release.Namespace }}:inpod-agent
 {{- end }}
+
+{{- define "inpod.controllerImage" -}}
+{{ .Values.controller.image.repository }}:{{ .Values.controller.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/* The startup taint as inpod-controller's --taint spells it. */}}
+{{- define "inpod.controllerTaint" -}}
+{{ .Values.controller.taint.key }}:{{ .Values.controller.taint.effect }}
+{{- end }}
+
+{{/* controller.nodeSelector as a label selector (--node-selector). */}}
+{{- define "inpod.meshNodeSelector" -}}
+{{- $terms := list }}
+{{- range $k, $v := .Values.controller.nodeSelector }}
+{{- $terms = append $terms (printf "%s=%s" $k $v) }}
+{{- end }}
+{{- join "," $terms }}
+{{- end }}
