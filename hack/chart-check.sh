@@ -16,6 +16,24 @@ for gates in deviceplugin dra node-condition none deviceplugin,node-condition dr
 done
 echo "chart: lint and template pass for every gate value"
 
+# Automatic resource requests by inpod-controller's webhook: a caBundle of
+# one's own, or cert-manager's Certificate and cainjector; never both modes.
+wh=(--set enrollment.autoRequest.mode=webhook --set controller.enabled=true)
+out=$("$helm" template inpod "$chart" -n inpod-system "${wh[@]}" --set enrollment.autoRequest.webhook.caBundle=Q0E=)
+for want in 'kind: MutatingWebhookConfiguration' 'caBundle: Q0E=' 'name: inpod-webhook' 'targetPort: webhook' 'failurePolicy: Ignore'; do
+  grep -qF -- "$want" <<<"$out" || { echo "mode=webhook: rendered manifests lack $want" >&2; exit 1; }
+done
+if grep -q 'kind: MutatingAdmissionPolicy' <<<"$out"; then echo "mode=webhook also renders the policy" >&2; exit 1; fi
+out=$("$helm" template inpod "$chart" -n inpod-system "${wh[@]}" --set enrollment.autoRequest.webhook.certManager.enabled=true)
+for want in 'kind: Certificate' 'kind: Issuer' 'cert-manager.io/inject-ca-from: inpod-system/inpod-webhook' 'secretName: inpod-webhook-tls'; do
+  grep -qF -- "$want" <<<"$out" || { echo "mode=webhook with cert-manager: rendered manifests lack $want" >&2; exit 1; }
+done
+if grep -q 'caBundle' <<<"$out"; then echo "mode=webhook with cert-manager also sets a caBundle" >&2; exit 1; fi
+"$helm" lint --strict "$chart" "${wh[@]}" --set enrollment.autoRequest.webhook.certManager.enabled=true >/dev/null
+out=$("$helm" template inpod "$chart" -n inpod-system)
+if grep -q 'MutatingWebhookConfiguration\|inpod-webhook' <<<"$out"; then echo "mode=policy renders webhook objects" >&2; exit 1; fi
+echo "chart: mode=webhook renders the webhook with a caBundle or with cert-manager"
+
 refuse() { # want-in-message, helm args...
   local want=$1; shift
   local out
@@ -33,6 +51,9 @@ refuse "zdsSocket" --set paths.zdsSocket=relative/ztunnel.sock
 refuse "terminationGracePeriodSeconds" --set agent.terminationGracePeriodSeconds=30
 refuse "excludedNamespaces" --set 'enrollment.excludedNamespaces={Kube_System}'
 refuse "unknownValue" --set unknownValue=1
-refuse "controller" --set controller.enabled=true
+refuse "set controller.enabled" --set enrollment.autoRequest.mode=webhook
+refuse "certManager.enabled" --set enrollment.autoRequest.mode=webhook --set controller.enabled=true
+refuse "caBundle" --set enrollment.autoRequest.mode=webhook --set controller.enabled=true --set 'enrollment.autoRequest.webhook.caBundle=-----BEGIN'
+refuse "timeoutSeconds" --set enrollment.autoRequest.mode=webhook --set controller.enabled=true --set enrollment.autoRequest.webhook.certManager.enabled=true --set enrollment.autoRequest.webhook.timeoutSeconds=31
 refuse "metrics.service.enabled" --set metrics.service.enabled=false --set metrics.serviceMonitor.enabled=true
 echo "chart: the schema refuses wrong values, naming them"
