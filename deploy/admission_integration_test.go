@@ -14,17 +14,15 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	resourcev1 "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
+	"github.com/inpod-dev/inpod/internal/requestcases"
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
-
-const resourceName = corev1.ResourceName("inpod.dev/redirection")
 
 // kinds keeps the rendered objects of the given kinds.
 func kinds(objs []*unstructured.Unstructured, want ...string) []*unstructured.Unstructured {
@@ -39,63 +37,38 @@ func kinds(objs []*unstructured.Unstructured, want ...string) []*unstructured.Un
 	return out
 }
 
-func pod(ns, name string, labels map[string]string, mod func(*corev1.Pod)) *corev1.Pod {
-	p := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: labels},
-		Spec: corev1.PodSpec{Containers: []corev1.Container{
-			{Name: "app", Image: "app"},
-			{Name: "sidecar", Image: "sidecar"},
-		}},
-	}
-	if mod != nil {
-		mod(p)
-	}
-	return p
-}
-
-// requests counts the containers requesting the resource, and says whether
-// each that does asks for exactly 1 in requests and limits.
-func requests(p *corev1.Pod) (n int, exact bool) {
-	exact = true
-	for _, c := range p.Spec.Containers {
-		r, hasR := c.Resources.Requests[resourceName]
-		l, hasL := c.Resources.Limits[resourceName]
-		if hasR || hasL {
-			n++
-			exact = exact && hasR && hasL && r.Value() == 1 && l.Value() == 1
-		}
-	}
-	return n, exact
-}
-
 // TestIntegrationResourceRequestPolicy creates the chart's
 // MutatingAdmissionPolicy on a real API server and creates pods (server-side
 // dry run: admission runs, nothing is stored): every pod the enrollment
 // rules enroll gains the request on one container; every exclusion stays
-// unchanged.
+// unchanged. The cases are requestcases', shared with the webhook's tests.
 func TestIntegrationResourceRequestPolicy(t *testing.T) {
 	a := startAPIServer(t)
-	ctx := context.Background()
 	a.create(t, false, kinds(render(t), "MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding")...)
+	// A policy takes effect a few seconds after it is created.
+	a.checkRequestCases(t, "the policy")
+}
+
+// checkRequestCases creates requestcases' namespaces and admits each of
+// its pods (server-side dry run), once the mutation (by, for messages) is
+// seen to apply.
+func (a *apiserver) checkRequestCases(t *testing.T, by string) {
+	t.Helper()
+	ctx := context.Background()
 	nss := a.Client.CoreV1().Namespaces()
-	for name, labels := range map[string]map[string]string{
-		"mesh":  {"istio.io/dataplane-mode": "ambient"},
-		"plain": nil,
-	} {
-		if _, err := nss.Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
+	for _, ns := range requestcases.Namespaces() {
+		if _, err := nss.Create(ctx, ns, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	// kube-system is excluded even when labelled.
-	ks, err := nss.Get(ctx, "kube-system", metav1.GetOptions{})
+	ks, err := nss.Get(ctx, requestcases.Excluded, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	ks.Labels["istio.io/dataplane-mode"] = "ambient"
+	requestcases.LabelExcluded(ks)
 	if _, err := nss.Update(ctx, ks, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-
 	admit := func(p *corev1.Pod) *corev1.Pod {
 		t.Helper()
 		out, err := a.Client.CoreV1().Pods(p.Namespace).Create(ctx, p, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
@@ -104,84 +77,14 @@ func TestIntegrationResourceRequestPolicy(t *testing.T) {
 		}
 		return out
 	}
-	ambient := map[string]string{"istio.io/dataplane-mode": "ambient"}
-	// A policy takes effect a few seconds after it is created.
-	testkit.Eventually(t, 30*time.Second, "the policy to apply", func() bool {
-		n, _ := requests(admit(pod("mesh", "probe", nil, nil)))
-		return n == 1
+	probe := requestcases.Cases()[0]
+	testkit.Eventually(t, 30*time.Second, by+" to apply", func() bool {
+		return probe.Check(admit(probe.Pod.DeepCopy())) == nil
 	})
-
-	enrolled := []*corev1.Pod{
-		pod("mesh", "by-namespace", nil, nil),
-		pod("plain", "by-pod-label", ambient, nil),
-		pod("mesh", "other-label-value", map[string]string{"istio.io/dataplane-mode": "sidecar"}, nil),
-		pod("mesh", "other-resources", nil, func(p *corev1.Pod) {
-			p.Spec.Containers[0].Resources = corev1.ResourceRequirements{
-				Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m")},
-				Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("64Mi")},
-			}
-		}),
-	}
-	for _, p := range enrolled {
-		got := admit(p)
-		n, exact := requests(got)
-		if n != 1 || !exact {
-			t.Errorf("enrolled pod %s/%s: %d containers request %s (exactly 1 each: %t), want one: %+v", p.Namespace, p.Name, n, resourceName, exact, got.Spec.Containers)
+	for _, c := range requestcases.Cases() {
+		if err := c.Check(admit(c.Pod.DeepCopy())); err != nil {
+			t.Errorf("%s: pod %s/%s (want %s): %v", by, c.Pod.Namespace, c.Pod.Name, c.Want, err)
 		}
-		if p.Name == "other-resources" {
-			c := got.Spec.Containers[0].Resources
-			if c.Requests.Cpu().MilliValue() != 100 || c.Limits.Memory().Value() != 64<<20 {
-				t.Errorf("the pod's own resources changed: %+v", c)
-			}
-		}
-	}
-
-	unchanged := []*corev1.Pod{
-		pod("plain", "unlabelled", nil, nil),
-		pod("mesh", "opted-out", map[string]string{"istio.io/dataplane-mode": "none"}, nil),
-		pod("plain", "host-network", ambient, func(p *corev1.Pod) { p.Spec.HostNetwork = true }),
-		pod("mesh", "host-network-by-namespace", nil, func(p *corev1.Pod) { p.Spec.HostNetwork = true }),
-		pod("kube-system", "excluded-namespace", nil, nil),
-		pod("kube-system", "excluded-namespace-pod-label", ambient, nil),
-		pod("mesh", "inpod-own", map[string]string{"app.kubernetes.io/part-of": "inpod"}, nil),
-		pod("mesh", "inpod-own-labelled", map[string]string{"app.kubernetes.io/part-of": "inpod", "istio.io/dataplane-mode": "ambient"}, nil),
-	}
-	for _, p := range unchanged {
-		if n, _ := requests(admit(p)); n != 0 {
-			t.Errorf("pod %s/%s (not enrolled) gained the request", p.Namespace, p.Name)
-		}
-	}
-	// Already requesting it (on another container, or only as a limit):
-	// left as it is.
-	for _, p := range []*corev1.Pod{
-		pod("mesh", "already", nil, func(p *corev1.Pod) {
-			p.Spec.Containers[1].Resources.Limits = corev1.ResourceList{resourceName: resource.MustParse("1")}
-			p.Spec.Containers[1].Resources.Requests = corev1.ResourceList{resourceName: resource.MustParse("1")}
-		}),
-		pod("plain", "already-limit-only", ambient, func(p *corev1.Pod) {
-			p.Spec.Containers[1].Resources.Limits = corev1.ResourceList{resourceName: resource.MustParse("1")}
-		}),
-	} {
-		got := admit(p)
-		if n, _ := requests(got); n != 1 {
-			t.Errorf("pod %s/%s already requesting: now %d containers request it", p.Namespace, p.Name, n)
-		}
-		if _, has := got.Spec.Containers[0].Resources.Limits[resourceName]; has {
-			t.Errorf("pod %s/%s already requesting on its second container: the first gained it too", p.Namespace, p.Name)
-		}
-	}
-	// A sidecar (restartable init container) that already requests it: the
-	// pod asks for it once, not twice.
-	always := corev1.ContainerRestartPolicyAlways
-	sidecar := admit(pod("mesh", "already-sidecar", nil, func(p *corev1.Pod) {
-		p.Spec.InitContainers = []corev1.Container{{Name: "mesh-sidecar", Image: "sidecar", RestartPolicy: &always,
-			Resources: corev1.ResourceRequirements{
-				Requests: corev1.ResourceList{resourceName: resource.MustParse("1")},
-				Limits:   corev1.ResourceList{resourceName: resource.MustParse("1")},
-			}}}
-	}))
-	if n, _ := requests(sidecar); n != 0 {
-		t.Errorf("pod whose sidecar init container already requests %s: %d of its containers gained it too", resourceName, n)
 	}
 }
 

@@ -3,10 +3,14 @@
 package deploy_test
 
 import (
+	"encoding/base64"
 	"os"
 	"path/filepath"
 	"testing"
 
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+
+	"github.com/inpod-dev/inpod/internal/requestcases"
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
 
@@ -40,6 +44,20 @@ func TestIntegrationChartAcceptedByAPIServer(t *testing.T) {
 		}
 		a.create(t, true, objs...)
 	}
+	// mode=webhook, with a caBundle of one's own, and with cert-manager
+	// (whose Certificate and Issuer a bare API server cannot take: the
+	// rest, with the cainjector's annotation).
+	ca := base64.StdEncoding.EncodeToString(requestcases.WriteServingCert(t, t.TempDir(), 1))
+	webhook := []string{"--set", "enrollment.autoRequest.mode=webhook", "--set", "controller.enabled=true"}
+	a.create(t, true, render(t, append(webhook, "--set", "enrollment.autoRequest.webhook.caBundle="+ca)...)...)
+	var noCertManager []*unstructured.Unstructured
+	for _, o := range render(t, append(webhook, "--set", "enrollment.autoRequest.webhook.certManager.enabled=true")...) {
+		if o.GroupVersionKind().Group != "cert-manager.io" {
+			noCertManager = append(noCertManager, o)
+		}
+	}
+	a.create(t, true, noCertManager...)
+
 	data, err := os.ReadFile(filepath.Join(testkit.RepoDir(t), "deploy", "manifests", "inpod.yaml"))
 	if err != nil {
 		t.Fatal(err)

@@ -46,6 +46,26 @@ if grep -q 'inpod-controller\|inpod-node-startup-taint' <<<"$out"; then
   echo "controller.enabled=false still renders inpod-controller objects" >&2; exit 1
 fi
 echo "chart: inpod-controller renders in both modes with the node-taint policy"
+# Automatic resource requests by inpod-controller's webhook: a caBundle of
+# one's own, or cert-manager's Certificate and cainjector; never both modes.
+wh=(--set enrollment.autoRequest.mode=webhook --set controller.enabled=true)
+out=$("$helm" template inpod "$chart" -n inpod-system "${wh[@]}" --set enrollment.autoRequest.webhook.caBundle=Q0E=)
+for want in 'kind: MutatingWebhookConfiguration' 'caBundle: Q0E=' 'name: inpod-webhook' 'targetPort: webhook' 'failurePolicy: Ignore' \
+  '--webhook-addr=:9443' '--exclude-namespaces=kube-system' 'containerPort: 9443' 'secretName: inpod-webhook-tls'; do
+  grep -qF -- "$want" <<<"$out" || { echo "mode=webhook: rendered manifests lack $want" >&2; exit 1; }
+done
+if grep -q 'kind: MutatingAdmissionPolicy' <<<"$out"; then echo "mode=webhook also renders the policy" >&2; exit 1; fi
+out=$("$helm" template inpod "$chart" -n inpod-system "${wh[@]}" --set enrollment.autoRequest.webhook.certManager.enabled=true)
+for want in 'kind: Certificate' 'kind: Issuer' 'cert-manager.io/inject-ca-from: inpod-system/inpod-webhook' 'secretName: inpod-webhook-tls'; do
+  grep -qF -- "$want" <<<"$out" || { echo "mode=webhook with cert-manager: rendered manifests lack $want" >&2; exit 1; }
+done
+if grep -q 'caBundle' <<<"$out"; then echo "mode=webhook with cert-manager also sets a caBundle" >&2; exit 1; fi
+"$helm" lint --strict "$chart" "${wh[@]}" --set enrollment.autoRequest.webhook.certManager.enabled=true >/dev/null
+out=$("$helm" template inpod "$chart" -n inpod-system)
+if grep -q 'MutatingWebhookConfiguration\|inpod-webhook' <<<"$out"; then echo "mode=policy renders webhook objects" >&2; exit 1; fi
+out=$("$helm" template inpod "$chart" -n inpod-system "${wh[@]}" --set enrollment.autoRequest.webhook.caBundle=Q0E= --set 'gates={node-condition}')
+if grep -q 'MutatingWebhookConfiguration\|webhook-addr' <<<"$out"; then echo "mode=webhook in taint mode renders the webhook (no node advertises the resource)" >&2; exit 1; fi
+echo "chart: mode=webhook renders the webhook with a caBundle or with cert-manager"
 
 refuse() { # want-in-message, helm args...
   local want=$1; shift
@@ -71,7 +91,10 @@ refuse "controller/taint/effect" --set controller.enabled=true --set controller.
 refuse "controller/taint/key" --set controller.enabled=true --set 'controller.taint.key=not a key'
 refuse "controller/grace" --set controller.enabled=true --set controller.grace=30
 refuse "controller/replicas" --set controller.enabled=true --set controller.replicas=0
-refuse "autoRequest.mode=webhook" --set controller.enabled=true --set enrollment.autoRequest.mode=webhook
 refuse "controller.nodeTaintPolicy.enabled needs node-condition" --set controller.enabled=true --set controller.nodeTaintPolicy.enabled=true
+refuse "set controller.enabled" --set enrollment.autoRequest.mode=webhook
+refuse "certManager.enabled" --set enrollment.autoRequest.mode=webhook --set controller.enabled=true
+refuse "caBundle" --set enrollment.autoRequest.mode=webhook --set controller.enabled=true --set 'enrollment.autoRequest.webhook.caBundle=-----BEGIN'
+refuse "timeoutSeconds" --set enrollment.autoRequest.mode=webhook --set controller.enabled=true --set enrollment.autoRequest.webhook.certManager.enabled=true --set enrollment.autoRequest.webhook.timeoutSeconds=31
 refuse "metrics.service.enabled" --set metrics.service.enabled=false --set metrics.serviceMonitor.enabled=true
 echo "chart: the schema refuses wrong values, naming them"

@@ -2,7 +2,9 @@
 // nodes' startup taint once the inpod agent reports the node ready (the
 // Node condition InPodRedirectionReady) and its agent pod is Ready, and in
 // continuous mode puts it back while the node is not. See package
-// taintcontroller.
+// taintcontroller. With --webhook-addr it also serves the mutating admission
+// webhook that adds the resource request to enrolled pods, on every
+// replica; see package requestwebhook.
 package main
 
 import (
@@ -20,7 +22,9 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/inpod-dev/inpod/agent/enroll"
 	"github.com/inpod-dev/inpod/internal/envflag"
+	"github.com/inpod-dev/inpod/requestwebhook"
 	"github.com/inpod-dev/inpod/taintcontroller"
 )
 
@@ -37,6 +41,8 @@ type options struct {
 	kubeconfig, mode, taint, logLevel *string
 	qps                               *float64
 	burst                             *int
+	webhook                           requestwebhook.Config
+	excludeNamespaces, resourceName   *string
 }
 
 func define(fs *flag.FlagSet) *options {
@@ -61,6 +67,12 @@ func define(fs *flag.FlagSet) *options {
 	o.qps = fs.Float64("kube-api-qps", taintcontroller.DefaultQPS, "client-side limit of API requests per second")
 	o.burst = fs.Int("kube-api-burst", taintcontroller.DefaultBurst, "client-side burst of API requests")
 	o.logLevel = fs.String("log-level", "info", "debug, info, warn or error")
+	wh := &o.webhook
+	fs.StringVar(&wh.Addr, "webhook-addr", "", "HTTPS address of the mutating admission webhook that adds the resource request to the pods the enrollment rules enroll, served by every replica (path "+requestwebhook.Path+"; empty: no webhook)")
+	fs.StringVar(&wh.CertDir, "webhook-cert-dir", "/etc/inpod/webhook-certs", "directory of the webhook's serving certificate and key ("+requestwebhook.CertFile+", "+requestwebhook.KeyFile+": a kubernetes.io/tls Secret mounted there), read again when they change")
+	o.resourceName = fs.String("resource-name", requestwebhook.DefaultResourceName, "webhook: the extended resource enrolled pods request (the agent's --resource-name)")
+	fs.StringVar(&wh.Policy.Label, "enrollment-label", enroll.DataplaneModeLabel, "webhook: pod and namespace label whose value ambient enrolls and none opts out (the agent's --enrollment-label)")
+	o.excludeNamespaces = fs.String("exclude-namespaces", "kube-system", "webhook: comma-separated namespaces never enrolled (the agent's --exclude-namespaces)")
 	return o
 }
 
@@ -110,5 +122,36 @@ func run() error {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
-	return c.Run(ctx)
+	if o.webhook.Addr == "" {
+		return c.Run(ctx)
+	}
+	wcfg := o.webhook
+	wcfg.Client, wcfg.Logger = cfg.Client, cfg.Logger
+	wcfg.ResourceName = corev1.ResourceName(*o.resourceName)
+	for _, ns := range strings.Split(*o.excludeNamespaces, ",") {
+		if ns = strings.TrimSpace(ns); ns != "" {
+			wcfg.Policy.ExcludedNamespaces = append(wcfg.Policy.ExcludedNamespaces, ns)
+		}
+	}
+	w, err := requestwebhook.New(wcfg)
+	if err != nil {
+		return err
+	}
+	// The webhook serves before and outside leader election: every replica
+	// behind the Service must answer. Either one failing stops both, and
+	// the process exits to be restarted.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	werr := make(chan error, 1)
+	go func() {
+		err := w.Run(ctx)
+		cancel()
+		werr <- err
+	}()
+	err = c.Run(ctx)
+	cancel()
+	if e := <-werr; e != nil && err == nil {
+		err = e
+	}
+	return err
 }

@@ -1,0 +1,185 @@
+// Package requestcases is the one table of cases for the automatic
+// resource request, shared by the tests of its two implementations: the
+// chart's MutatingAdmissionPolicy (deploy/) and inpod-controller's webhook
+// (requestwebhook/). Both must decide exactly as the agent enrolls
+// (agent/enroll Policy). Only tests import it.
+package requestcases
+
+import (
+	"fmt"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// ResourceName and Label are the chart's defaults.
+const (
+	ResourceName = corev1.ResourceName("inpod.dev/redirection")
+	Label        = "istio.io/dataplane-mode"
+)
+
+// Want is what admission must do to a pod.
+type Want int
+
+const (
+	// Gains: exactly one container (the first) gains the request, 1 in
+	// requests and limits; the pod's other resources stay.
+	Gains Want = iota
+	// Unchanged: no container requests the resource.
+	Unchanged
+	// AlreadyRequests: the pod requests it on its second container already
+	// and is left as it is.
+	AlreadyRequests
+)
+
+func (w Want) String() string {
+	return [...]string{"gains the request", "unchanged", "already requests it"}[w]
+}
+
+// Case is one pod created in one of Namespaces.
+type Case struct {
+	Pod  *corev1.Pod
+	Want Want
+}
+
+// Namespaces the cases' pods are created in: mesh is labelled ambient,
+// plain is not. kube-system (excluded) must be labelled ambient too: call
+// LabelExcluded on it.
+func Namespaces() []*corev1.Namespace {
+	return []*corev1.Namespace{
+		{ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{Label: "ambient", "kubernetes.io/metadata.name": "mesh"}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "plain", Labels: map[string]string{"kubernetes.io/metadata.name": "plain"}}},
+	}
+}
+
+// Excluded is the excluded namespace of the cases (the chart's default).
+const Excluded = "kube-system"
+
+// LabelExcluded labels the excluded namespace ambient: it stays excluded.
+func LabelExcluded(ns *corev1.Namespace) {
+	if ns.Labels == nil {
+		ns.Labels = map[string]string{}
+	}
+	ns.Labels[Label] = "ambient"
+}
+
+func pod(ns, name string, labels map[string]string, mod func(*corev1.Pod)) *corev1.Pod {
+	p := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: labels},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{
+			{Name: "app", Image: "app"},
+			{Name: "sidecar", Image: "sidecar"},
+		}},
+	}
+	if mod != nil {
+		mod(p)
+	}
+	return p
+}
+
+// Cases returns fresh pods (callers may change them).
+func Cases() []Case {
+	ambient := map[string]string{Label: "ambient"}
+	return []Case{
+		{pod("mesh", "by-namespace", nil, nil), Gains},
+		{pod("plain", "by-pod-label", ambient, nil), Gains},
+		{pod("mesh", "other-label-value", map[string]string{Label: "sidecar"}, nil), Gains},
+		{pod("mesh", "other-resources", nil, func(p *corev1.Pod) {
+			p.Spec.Containers[0].Resources = corev1.ResourceRequirements{
+				Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m")},
+				Limits:   corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("64Mi")},
+			}
+		}), Gains},
+
+		{pod("plain", "unlabelled", nil, nil), Unchanged},
+		{pod("mesh", "opted-out", map[string]string{Label: "none"}, nil), Unchanged},
+		{pod("plain", "host-network", ambient, func(p *corev1.Pod) { p.Spec.HostNetwork = true }), Unchanged},
+		{pod("mesh", "host-network-by-namespace", nil, func(p *corev1.Pod) { p.Spec.HostNetwork = true }), Unchanged},
+		{pod(Excluded, "excluded-namespace", nil, nil), Unchanged},
+		{pod(Excluded, "excluded-namespace-pod-label", ambient, nil), Unchanged},
+		{pod("mesh", "inpod-own", map[string]string{"app.kubernetes.io/part-of": "inpod"}, nil), Unchanged},
+		{pod("mesh", "inpod-own-labelled", map[string]string{"app.kubernetes.io/part-of": "inpod", Label: "ambient"}, nil), Unchanged},
+
+		// Already requesting it (on another container, or only as a
+		// limit): left as it is.
+		{pod("mesh", "already", nil, func(p *corev1.Pod) {
+			p.Spec.Containers[1].Resources.Limits = corev1.ResourceList{ResourceName: resource.MustParse("1")}
+			p.Spec.Containers[1].Resources.Requests = corev1.ResourceList{ResourceName: resource.MustParse("1")}
+		}), AlreadyRequests},
+		{pod("plain", "already-limit-only", ambient, func(p *corev1.Pod) {
+			p.Spec.Containers[1].Resources.Limits = corev1.ResourceList{ResourceName: resource.MustParse("1")}
+		}), AlreadyRequests},
+		// A sidecar (restartable init container) that already requests it:
+		// the pod asks for it once, not twice ("unchanged": no regular
+		// container gains it).
+		{pod("mesh", "already-sidecar", nil, func(p *corev1.Pod) {
+			always := corev1.ContainerRestartPolicyAlways
+			p.Spec.InitContainers = []corev1.Container{{Name: "mesh-sidecar", Image: "sidecar", RestartPolicy: &always,
+				Resources: corev1.ResourceRequirements{
+					Requests: corev1.ResourceList{ResourceName: resource.MustParse("1")},
+					Limits:   corev1.ResourceList{ResourceName: resource.MustParse("1")},
+				}}}
+		}), Unchanged},
+	}
+}
+
+// requests counts the containers requesting the resource, and says whether
+// each that does asks for exactly 1 in requests and limits.
+func requests(p *corev1.Pod) (n int, exact bool) {
+	exact = true
+	for _, c := range p.Spec.Containers {
+		r, hasR := c.Resources.Requests[ResourceName]
+		l, hasL := c.Resources.Limits[ResourceName]
+		if hasR || hasL {
+			n++
+			exact = exact && hasR && hasL && r.Value() == 1 && l.Value() == 1
+		}
+	}
+	return n, exact
+}
+
+// Requested reports whether some container of p requests the resource.
+func Requested(p *corev1.Pod) bool {
+	n, _ := requests(p)
+	return n > 0
+}
+
+// Check compares the admitted pod got with what c wants; nil when it
+// matches.
+func (c Case) Check(got *corev1.Pod) error {
+	n, exact := requests(got)
+	switch c.Want {
+	case Gains:
+		if n != 1 || !exact {
+			return fmt.Errorf("%d containers request %s (exactly 1 each: %t), want one: %+v", n, ResourceName, exact, got.Spec.Containers)
+		}
+		if _, ok := got.Spec.Containers[0].Resources.Limits[ResourceName]; !ok {
+			return fmt.Errorf("the request is not on the first container: %+v", got.Spec.Containers)
+		}
+		want := c.Pod.Spec.Containers[0].Resources
+		have := got.Spec.Containers[0].Resources
+		for name, q := range want.Requests {
+			if h := have.Requests[name]; h.Cmp(q) != 0 {
+				return fmt.Errorf("the pod's own request %s changed: %s, was %s", name, h.String(), q.String())
+			}
+		}
+		for name, q := range want.Limits {
+			if h := have.Limits[name]; h.Cmp(q) != 0 {
+				return fmt.Errorf("the pod's own limit %s changed: %s, was %s", name, h.String(), q.String())
+			}
+		}
+	case Unchanged:
+		if n != 0 {
+			return fmt.Errorf("not enrolled, but gained the request: %+v", got.Spec.Containers)
+		}
+	case AlreadyRequests:
+		if n != 1 {
+			return fmt.Errorf("already requesting: now %d containers request it", n)
+		}
+		if _, has := got.Spec.Containers[0].Resources.Limits[ResourceName]; has {
+			return fmt.Errorf("already requesting on its second container: the first gained it too")
+		}
+	}
+	return nil
+}

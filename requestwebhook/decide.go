@@ -1,0 +1,83 @@
+package requestwebhook
+
+import (
+	"encoding/json"
+	"slices"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+
+	"github.com/inpod-dev/inpod/agent/enroll"
+)
+
+// PartOfLabel with the value PartOf marks inpod's own pods, which never
+// get the request (the chart's common labels).
+const (
+	PartOfLabel = "app.kubernetes.io/part-of"
+	PartOf      = "inpod"
+)
+
+// rules is the decision, apart from how the namespace is found.
+type rules struct {
+	policy   enroll.Policy
+	resource corev1.ResourceName
+}
+
+// skip reports whether the pod never gets the request, whatever its
+// namespace: inpod's own, already requesting it, or decided by its own
+// labels, host network or namespace name (enroll.Policy.ByPod). decided
+// false means its namespace's label decides.
+func (r rules) skip(pod *corev1.Pod) (skip, decided bool) {
+	if len(pod.Spec.Containers) == 0 || pod.Labels[PartOfLabel] == PartOf || r.requesting(pod) {
+		return true, true
+	}
+	enrolled, decided := r.policy.ByPod(pod)
+	return decided && !enrolled, decided
+}
+
+// requesting: any container asks for the resource, as a request or a
+// limit (the API server fills the request from the limit); init containers
+// count (a sidecar may carry it), or the pod would ask for it twice.
+func (r rules) requesting(pod *corev1.Pod) bool {
+	for _, c := range slices.Concat(pod.Spec.InitContainers, pod.Spec.Containers) {
+		_, req := c.Resources.Requests[r.resource]
+		_, lim := c.Resources.Limits[r.resource]
+		if req || lim {
+			return true
+		}
+	}
+	return false
+}
+
+// wants is the whole decision for a pod whose namespace is ns (nil: not
+// known, which enrolls only by the pod's own label).
+func (r rules) wants(pod *corev1.Pod, ns *corev1.Namespace) bool {
+	if skip, _ := r.skip(pod); skip {
+		return false
+	}
+	return r.policy.Enrolled(pod, ns)
+}
+
+type patchOp struct {
+	Op    string `json:"op"`
+	Path  string `json:"path"`
+	Value any    `json:"value"`
+}
+
+// patch is the JSONPatch giving the first container 1 of the resource in
+// requests and limits. It sets the container's whole resources (add
+// replaces an existing member), which works whether or not the pod's
+// manifest had resources, requests or limits, and keeps what it had.
+func (r rules) patch(pod *corev1.Pod) ([]byte, error) {
+	res := pod.Spec.Containers[0].Resources.DeepCopy()
+	if res.Requests == nil {
+		res.Requests = corev1.ResourceList{}
+	}
+	if res.Limits == nil {
+		res.Limits = corev1.ResourceList{}
+	}
+	one := resource.MustParse("1")
+	res.Requests[r.resource] = one
+	res.Limits[r.resource] = one
+	return json.Marshal([]patchOp{{Op: "add", Path: "/spec/containers/0/resources", Value: res}})
+}

@@ -1,0 +1,213 @@
+package requestwebhook
+
+import (
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	admissionv1 "k8s.io/api/admission/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	listersv1 "k8s.io/client-go/listers/core/v1"
+
+	"github.com/inpod-dev/inpod/agent/enroll"
+)
+
+// Path is where the webhook answers AdmissionReviews.
+const Path = "/mutate-pods"
+
+// Defaults.
+const (
+	DefaultResourceName = "inpod.dev/redirection"
+	// Below the chart's timeoutSeconds, so the API server gets an answer
+	// (allowed) rather than a timeout.
+	namespaceReadTimeout = 2 * time.Second
+	// The API server sends at most 3 MiB of object; leave room for the
+	// review around it.
+	maxBody = 7 << 20
+)
+
+// Config is the webhook's.
+type Config struct {
+	// Client reads Namespaces (a watch, and a read for a namespace the
+	// watch has not seen yet).
+	Client kubernetes.Interface
+	// Policy is the agent's enrollment policy (excluded namespaces, label).
+	Policy enroll.Policy
+	// ResourceName is the extended resource requested.
+	ResourceName corev1.ResourceName
+	// Addr is the HTTPS listen address, e.g. ":9443".
+	Addr string
+	// CertDir holds tls.crt and tls.key, read again when they change.
+	CertDir string
+	Logger  *slog.Logger
+}
+
+// Webhook answers AdmissionReviews for pod creations.
+type Webhook struct {
+	cfg        Config
+	rules      rules
+	log        *slog.Logger
+	factory    informers.SharedInformerFactory
+	namespaces listersv1.NamespaceLister
+	synced     func() bool
+}
+
+// New checks cfg; Run serves.
+func New(cfg Config) (*Webhook, error) {
+	if cfg.Client == nil {
+		return nil, errors.New("requestwebhook: no client")
+	}
+	if cfg.ResourceName == "" {
+		cfg.ResourceName = DefaultResourceName
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	f := informers.NewSharedInformerFactory(cfg.Client, 0)
+	inf := f.Core().V1().Namespaces()
+	w := &Webhook{
+		cfg:        cfg,
+		rules:      rules{policy: cfg.Policy, resource: cfg.ResourceName},
+		log:        cfg.Logger.With("component", "requestwebhook"),
+		factory:    f,
+		namespaces: inf.Lister(),
+		synced:     inf.Informer().HasSynced,
+	}
+	return w, nil
+}
+
+// Run watches Namespaces and serves HTTPS on Addr until ctx ends. It fails
+// when the certificate cannot be read at start or the address is taken.
+func (w *Webhook) Run(ctx context.Context) error {
+	ln, err := net.Listen("tcp", w.cfg.Addr)
+	if err != nil {
+		return fmt.Errorf("requestwebhook: %w", err)
+	}
+	return w.Serve(ctx, ln)
+}
+
+// Serve is Run on a listener of the caller's (closed when it returns).
+func (w *Webhook) Serve(ctx context.Context, ln net.Listener) error {
+	certs := &certFiles{dir: w.cfg.CertDir, log: w.log}
+	if _, err := certs.get(nil); err != nil {
+		ln.Close()
+		return err
+	}
+	w.factory.Start(ctx.Done())
+	defer w.factory.Shutdown()
+	mux := http.NewServeMux()
+	mux.Handle(Path, w)
+	srv := &http.Server{
+		Handler:           mux,
+		ReadHeaderTimeout: 10 * time.Second,
+		TLSConfig:         &tls.Config{MinVersion: tls.VersionTLS12, GetCertificate: certs.get},
+		ErrorLog:          slog.NewLogLogger(w.log.Handler(), slog.LevelDebug),
+	}
+	w.log.Info("serving", "addr", ln.Addr().String(), "path", Path)
+	done := make(chan error, 1)
+	go func() { done <- srv.ServeTLS(ln, "", "") }()
+	select {
+	case err := <-done:
+		return fmt.Errorf("requestwebhook: %w", err)
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	srv.Shutdown(sctx)
+	return nil
+}
+
+// ServeHTTP answers one AdmissionReview (admission/v1, JSON).
+func (w *Webhook) ServeHTTP(rw http.ResponseWriter, r *http.Request) {
+	if r.Method != http.MethodPost {
+		http.Error(rw, "POST an AdmissionReview", http.StatusMethodNotAllowed)
+		return
+	}
+	var review admissionv1.AdmissionReview
+	if err := json.NewDecoder(io.LimitReader(r.Body, maxBody)).Decode(&review); err != nil || review.Request == nil {
+		http.Error(rw, "not an AdmissionReview", http.StatusBadRequest)
+		return
+	}
+	out := admissionv1.AdmissionReview{
+		TypeMeta: metav1.TypeMeta{APIVersion: "admission.k8s.io/v1", Kind: "AdmissionReview"},
+		Response: w.review(r.Context(), review.Request),
+	}
+	rw.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(rw).Encode(out)
+}
+
+// review is always allowed: the answer is only whether a patch comes with
+// it (see the package doc).
+func (w *Webhook) review(ctx context.Context, req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse {
+	resp := &admissionv1.AdmissionResponse{UID: req.UID, Allowed: true}
+	if req.Resource.Group != "" || req.Resource.Resource != "pods" || req.SubResource != "" || req.Operation != admissionv1.Create {
+		return resp
+	}
+	var pod corev1.Pod
+	if err := json.Unmarshal(req.Object.Raw, &pod); err != nil {
+		w.log.Warn("pod not decoded; admitted without the request", "namespace", req.Namespace, "err", err)
+		return resp
+	}
+	// At creation the pod's namespace may only be the request's.
+	if pod.Namespace == "" {
+		pod.Namespace = req.Namespace
+	}
+	name := pod.Name
+	if name == "" {
+		name = pod.GenerateName + "*"
+	}
+	log := w.log.With("pod", pod.Namespace+"/"+name)
+	skip, decided := w.rules.skip(&pod)
+	if skip {
+		return resp
+	}
+	var ns *corev1.Namespace
+	if !decided {
+		var err error
+		if ns, err = w.namespace(ctx, pod.Namespace); err != nil {
+			log.Warn("namespace not read; admitted without the request (the CNI still fails it closed on a node that is not ready)", "err", err)
+			resp.Warnings = []string{"inpod: namespace not read, no " + string(w.cfg.ResourceName) + " request added"}
+			return resp
+		}
+	}
+	if !w.rules.wants(&pod, ns) {
+		return resp
+	}
+	patch, err := w.rules.patch(&pod)
+	if err != nil {
+		log.Warn("patch not built; admitted without the request", "err", err)
+		return resp
+	}
+	pt := admissionv1.PatchTypeJSONPatch
+	resp.Patch, resp.PatchType = patch, &pt
+	log.Debug("request added", "container", pod.Spec.Containers[0].Name)
+	return resp
+}
+
+// namespace reads ns from the watch, or from the API when the watch has
+// not seen it (not synced yet, or a namespace created a moment ago).
+func (w *Webhook) namespace(ctx context.Context, name string) (*corev1.Namespace, error) {
+	if w.synced() {
+		ns, err := w.namespaces.Get(name)
+		if err == nil {
+			return ns, nil
+		}
+		if !apierrors.IsNotFound(err) {
+			return nil, err
+		}
+	}
+	ctx, cancel := context.WithTimeout(ctx, namespaceReadTimeout)
+	defer cancel()
+	return w.cfg.Client.CoreV1().Namespaces().Get(ctx, name, metav1.GetOptions{})
+}
