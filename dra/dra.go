@@ -620,7 +620,10 @@ func (d *Driver) loadCheckpoint() error {
 		return nil
 	}
 	if err != nil {
-		return fmt.Errorf("dra: read the prepared claims: %w", err)
+		// Bookkeeping only (nothing is decided from it): an agent that
+		// stopped on it would close the gate for a file.
+		d.log.Warn("the record of prepared claims cannot be read; starting a new one", "path", d.checkpointPath(), "err", err)
+		return nil
 	}
 	var cp checkpoint
 	if err := json.Unmarshal(b, &cp); err != nil {
@@ -634,17 +637,19 @@ func (d *Driver) loadCheckpoint() error {
 	return nil
 }
 
-// saveCheckpoint writes next so no reader sees it half written, and adopts
-// it only once written.
+// saveCheckpoint adopts next and writes it so no reader sees it half
+// written. A failed write (a full disk) is logged, never an error: the
+// record is bookkeeping, and failing prepare for it would keep pods from
+// starting on a node that is ready.
 func (d *Driver) saveCheckpoint(next map[types.UID]string) error {
-	b, err := json.Marshal(checkpoint{Claims: next})
-	if err != nil {
-		return err
-	}
-	if err := atomicfile.Write(d.checkpointPath(), b, 0o600); err != nil {
-		return fmt.Errorf("dra: record prepared claims: %w", err)
-	}
 	d.prepared = next
+	b, err := json.Marshal(checkpoint{Claims: next})
+	if err == nil {
+		err = atomicfile.Write(d.checkpointPath(), b, 0o600)
+	}
+	if err != nil {
+		d.log.Warn("could not record the prepared claims; continuing without", "path", d.checkpointPath(), "err", err)
+	}
 	return nil
 }
 
