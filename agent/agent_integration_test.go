@@ -32,6 +32,7 @@ import (
 	"github.com/inpod-dev/inpod/deviceplugin/kubelettest"
 	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
@@ -64,11 +65,7 @@ type world struct {
 func newWorld(t testing.TB) *world {
 	t.Helper()
 	ctx := context.Background()
-	cp, err := cluster.StartControlPlane(ctx, cluster.Config{Root: filepath.Join(t.TempDir(), "cp")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cp.Stop() })
+	cp := clustertest.ControlPlane(t, cluster.Config{})
 
 	w := &world{t: t, cp: cp, client: cp.Client, node: netnstest.New(t)}
 	w.nodeNS = w.node.Open(t)

@@ -22,6 +22,7 @@ import (
 	"k8s.io/client-go/restmapper"
 
 	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
 
@@ -73,12 +74,7 @@ type apiserver struct {
 
 func startAPIServer(t *testing.T) *apiserver {
 	t.Helper()
-	ctx := context.Background()
-	cp, err := cluster.StartControlPlane(ctx, cluster.Config{Root: filepath.Join(t.TempDir(), "cp")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cp.Stop() })
+	cp := clustertest.ControlPlane(t, cluster.Config{})
 	dyn, err := dynamic.NewForConfig(cp.Rest)
 	if err != nil {
 		t.Fatal(err)

@@ -26,6 +26,7 @@ import (
 	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
 
 	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/readiness"
 )
@@ -71,17 +72,14 @@ type world struct {
 func newWorld(t *testing.T) *world {
 	t.Helper()
 	ctx := context.Background()
-	cp, err := cluster.StartControlPlane(ctx, cluster.Config{Root: filepath.Join(t.TempDir(), "cp")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cp.Stop() })
+	cp := clustertest.ControlPlane(t, cluster.Config{})
 	dir := testkit.ShortTempDir(t, "dra-")
 	w := &world{t: t, cp: cp, admin: cp.Client, ready: notReady(),
 		regDir: filepath.Join(dir, "reg"), pluginDir: filepath.Join(dir, "plugin")}
 	w.applyAgentRBAC()
 	rc := rest.CopyConfig(cp.Rest)
 	rc.Impersonate = rest.ImpersonationConfig{UserName: "system:serviceaccount:inpod-system:inpod-agent"}
+	var err error
 	if w.agent, err = kubernetes.NewForConfig(rc); err != nil {
 		t.Fatal(err)
 	}

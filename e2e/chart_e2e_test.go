@@ -17,6 +17,7 @@ import (
 	"github.com/inpod-dev/inpod/agent/enroll"
 	"github.com/inpod-dev/inpod/e2e/chart"
 	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
@@ -34,15 +35,7 @@ func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
 	repo := testkit.RepoDir(t)
-	node, err := cluster.StartNode(ctx, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-chart"}, RepoDir: repo})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := node.Stop(); err != nil {
-			t.Error(err)
-		}
-	})
+	node := clustertest.Node(ctx, t, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-chart"}, RepoDir: repo})
 	client := node.Client
 	target := chart.NodeTarget(node)
 	if err := chart.PrepareHost(); err != nil {

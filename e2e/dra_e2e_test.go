@@ -28,6 +28,7 @@ import (
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/readiness"
@@ -93,15 +94,7 @@ func sliceTaints(obj any) ([]string, bool) {
 func TestE2EDRAGatesScheduling(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	node, err := cluster.StartNode(ctx, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-dra"}, RepoDir: testkit.RepoDir(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := node.Stop(); err != nil {
-			t.Error(err)
-		}
-	})
+	node := clustertest.Node(ctx, t, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-dra"}, RepoDir: testkit.RepoDir(t)})
 	client := node.Client
 	applyDeviceClass(ctx, t, client)
 

@@ -18,6 +18,7 @@ import (
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
@@ -31,15 +32,7 @@ const gateResource = corev1.ResourceName(deviceplugin.DefaultResourceName)
 func TestE2EDevicePluginGatesScheduling(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	node, err := cluster.StartNode(ctx, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-gate"}, RepoDir: testkit.RepoDir(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := node.Stop(); err != nil {
-			t.Error(err)
-		}
-	})
+	node := clustertest.Node(ctx, t, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-gate"}, RepoDir: testkit.RepoDir(t)})
 	client := node.Client
 
 	const devices = 16

@@ -19,6 +19,7 @@ import (
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/agent/enroll"
 	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
@@ -33,16 +34,8 @@ func TestE2EStaticPods(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	manifests := testkit.ShortTempDir(t, "inpod-static-")
-	node, err := cluster.StartNode(ctx, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-static"},
+	node := clustertest.Node(ctx, t, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-static"},
 		RepoDir: testkit.RepoDir(t), StaticPodPath: manifests})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := node.Stop(); err != nil {
-			t.Error(err)
-		}
-	})
 	client := node.Client
 	for name, labels := range map[string]map[string]string{
 		"mesh":  {enroll.DataplaneModeLabel: enroll.DataplaneAmbient},

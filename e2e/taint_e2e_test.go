@@ -18,6 +18,7 @@ import (
 
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/nodecondition"
@@ -66,18 +67,10 @@ func TestE2ETaintModeGatesScheduling(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	repo := testkit.RepoDir(t)
-	node, err := cluster.StartNode(ctx, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-taint"}, RepoDir: repo,
+	node := clustertest.Node(ctx, t, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-taint"}, RepoDir: repo,
 		BeforeKubelet: func(ctx context.Context, cp *cluster.ControlPlane) error {
 			return installNodeTaintPolicy(ctx, cp, repo)
 		}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := node.Stop(); err != nil {
-			t.Error(err)
-		}
-	})
 	client := node.Client
 	getNode := func() *corev1.Node {
 		n, err := client.CoreV1().Nodes().Get(ctx, node.Name, metav1.GetOptions{})

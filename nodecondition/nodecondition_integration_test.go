@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/readiness"
 )
@@ -75,16 +76,13 @@ var kubeletReady = corev1.NodeCondition{Type: corev1.NodeReady, Status: corev1.C
 func newWorld(t *testing.T) *world {
 	t.Helper()
 	ctx := context.Background()
-	cp, err := cluster.StartControlPlane(ctx, cluster.Config{Root: filepath.Join(t.TempDir(), "cp")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cp.Stop() })
+	cp := clustertest.ControlPlane(t, cluster.Config{})
 	w := &world{t: t, cp: cp, admin: cp.Client,
 		ready: readiness.New(nil, readiness.CNIInstalled, readiness.ZtunnelConnected, readiness.PodsSynced)}
 	w.applyAgentRBAC()
 	rc := rest.CopyConfig(cp.Rest)
 	rc.Impersonate = rest.ImpersonationConfig{UserName: "system:serviceaccount:inpod-system:inpod-agent"}
+	var err error
 	if w.agent, err = kubernetes.NewForConfig(rc); err != nil {
 		t.Fatal(err)
 	}

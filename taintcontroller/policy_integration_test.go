@@ -20,6 +20,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
 
@@ -92,11 +93,7 @@ func TestIntegrationTaintPolicyTaintsNodesAtCreate(t *testing.T) {
 
 func testPolicy(t *testing.T, args []string) {
 	ctx := context.Background()
-	cp, err := cluster.StartControlPlane(ctx, cluster.Config{Root: filepath.Join(t.TempDir(), "cp"), APIServerArgs: args})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cp.Stop() })
+	cp := clustertest.ControlPlane(t, cluster.Config{APIServerArgs: args})
 	admin := cp.Client
 
 	// A node that exists before the policy is installed is not tainted by

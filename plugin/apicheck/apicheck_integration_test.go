@@ -19,6 +19,7 @@ import (
 
 	"github.com/inpod-dev/inpod/apiaccess"
 	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/plugin/apicheck"
 	"github.com/inpod-dev/inpod/plugin/plugintest"
 )
@@ -27,11 +28,7 @@ import (
 // with a service-account token that may only get pods and namespaces.
 func TestIntegrationAPICheckWithTheRealAPIServer(t *testing.T) {
 	ctx := context.Background()
-	cp, err := cluster.StartControlPlane(ctx, cluster.Config{Root: filepath.Join(t.TempDir(), "cp")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cp.Stop() })
+	cp := clustertest.ControlPlane(t, cluster.Config{})
 	bin := t.TempDir()
 	if err := plugintest.Build(bin); err != nil {
 		t.Fatal(err)
