@@ -56,7 +56,8 @@ for want in 'kind: MutatingWebhookConfiguration' 'caBundle: Q0E=' 'name: inpod-w
 done
 if grep -q 'kind: MutatingAdmissionPolicy' <<<"$out"; then echo "mode=webhook also renders the policy" >&2; exit 1; fi
 out=$("$helm" template inpod "$chart" -n inpod-system "${wh[@]}" --set enrollment.autoRequest.webhook.certManager.enabled=true)
-for want in 'kind: Certificate' 'kind: Issuer' 'cert-manager.io/inject-ca-from: inpod-system/inpod-webhook' 'secretName: inpod-webhook-tls'; do
+for want in 'kind: Certificate' 'kind: Issuer' 'cert-manager.io/inject-ca-from: inpod-system/inpod-webhook' 'secretName: inpod-webhook-tls' \
+  'isCA: true' 'name: inpod-webhook-ca'; do
   grep -qF -- "$want" <<<"$out" || { echo "mode=webhook with cert-manager: rendered manifests lack $want" >&2; exit 1; }
 done
 if grep -q 'caBundle' <<<"$out"; then echo "mode=webhook with cert-manager also sets a caBundle" >&2; exit 1; fi
