@@ -92,6 +92,10 @@ type Observer interface {
 const (
 	DefaultMinBackoff = 200 * time.Millisecond
 	DefaultMaxBackoff = 10 * time.Second
+	// DefaultStartupGrace is how long a restarted agent that finds the
+	// condition True waits for its first ready verdict before it writes
+	// False (ztunnel reconnects within seconds).
+	DefaultStartupGrace = 15 * time.Second
 	// attemptTimeout bounds one read-and-patch, so a hung connection
 	// cannot hold back a newer state.
 	attemptTimeout = 10 * time.Second
@@ -104,8 +108,10 @@ type Config struct {
 	// MinBackoff and MaxBackoff bound the wait between failed attempts
 	// (doubling from min to max).
 	MinBackoff, MaxBackoff time.Duration
-	Observer               Observer
-	Logger                 *slog.Logger
+	// StartupGrace: see DefaultStartupGrace; negative means none.
+	StartupGrace time.Duration
+	Observer     Observer
+	Logger       *slog.Logger
 }
 
 // Gate writes the condition.
@@ -129,6 +135,9 @@ func New(cfg Config) (*Gate, error) {
 	if cfg.MaxBackoff < cfg.MinBackoff {
 		cfg.MaxBackoff = max(DefaultMaxBackoff, cfg.MinBackoff)
 	}
+	if cfg.StartupGrace == 0 {
+		cfg.StartupGrace = DefaultStartupGrace
+	}
 	if cfg.Observer == nil {
 		cfg.Observer = nopObserver{}
 	}
@@ -151,6 +160,14 @@ func (g *Gate) Name() string { return "node-condition" }
 // dead agent cannot be relied on to report, so the controller judges a
 // node whose agent pod is gone or not Ready by its own grace period, not
 // by this condition.
+//
+// A restarted agent is not ready at first (ztunnel has not reconnected),
+// and in continuous mode inpod-controller re-taints the node on False at
+// once: a rolling upgrade would block every node for its restart. So when
+// the Node already says True, Run writes nothing until the first ready
+// verdict or until StartupGrace passes, then False if still not ready.
+// When the condition is absent or False there is nothing to protect and
+// Run writes at once.
 func (g *Gate) Run(ctx context.Context, ready *readiness.Aggregate) error {
 	states, cancel := ready.Subscribe()
 	defer cancel()
@@ -159,17 +176,37 @@ func (g *Gate) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		pending bool // want is not known to be on the Node
 		backoff time.Duration
 		retry   <-chan time.Time
+		graceC  <-chan time.Time
 	)
+	holding := g.cfg.StartupGrace > 0 && g.conditionTrue(ctx)
+	if holding {
+		t := time.NewTimer(g.cfg.StartupGrace)
+		defer t.Stop()
+		graceC = t.C
+		g.log.Info(holdingMsg, "grace", g.cfg.StartupGrace)
+	}
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
 		case st := <-states:
 			want, pending = For(st), true
+			if holding {
+				if !st.Ready {
+					continue
+				}
+				holding, graceC = false, nil
+				g.log.Info(readyInGraceMsg)
+			}
 			if retry != nil {
 				// Keep waiting out the backoff: readiness flipping
 				// during an outage must not turn into a tight loop.
 				continue
+			}
+		case <-graceC:
+			holding, graceC = false, nil
+			if pending {
+				g.log.Warn("no ready verdict within the startup grace; writing the not-ready state", "grace", g.cfg.StartupGrace, "reason", want.Reason)
 			}
 		case <-retry:
 			retry = nil
@@ -189,6 +226,30 @@ func (g *Gate) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		}
 		pending, backoff = false, 0
 	}
+}
+
+// Log messages tests wait on.
+const (
+	holdingMsg      = "the Node's condition is True: writing nothing until the first ready verdict or the startup grace"
+	readyInGraceMsg = "ready within the startup grace; the condition was kept"
+)
+
+// conditionTrue tells whether the Node's condition is True. Not knowing
+// only costs the grace, so an unreadable Node counts as True.
+func (g *Gate) conditionTrue(ctx context.Context) bool {
+	ctx, cancel := context.WithTimeout(ctx, attemptTimeout)
+	defer cancel()
+	node, err := g.cfg.Client.CoreV1().Nodes().Get(ctx, g.cfg.NodeName, metav1.GetOptions{})
+	if err != nil {
+		g.log.Warn("cannot read the node; holding as if its condition were True", "err", err)
+		return true
+	}
+	for _, c := range node.Status.Conditions {
+		if c.Type == ConditionType {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
 }
 
 // converge reads the Node and patches the condition unless it already says

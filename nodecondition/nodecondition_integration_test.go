@@ -4,6 +4,7 @@ package nodecondition
 
 import (
 	"context"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -126,8 +127,15 @@ func (w *world) applyAgentRBAC() {
 // Run to return.
 func (w *world) start(obs *counter, clock func() time.Time) (stop func()) {
 	w.t.Helper()
-	g, err := New(Config{Client: w.agent, NodeName: nodeName, Observer: obs,
-		MinBackoff: 20 * time.Millisecond, MaxBackoff: 300 * time.Millisecond})
+	return w.startWith(Config{Observer: obs}, clock)
+}
+
+// startWith is start with cfg's StartupGrace, Observer and Logger.
+func (w *world) startWith(cfg Config, clock func() time.Time) (stop func()) {
+	w.t.Helper()
+	cfg.Client, cfg.NodeName = w.agent, nodeName
+	cfg.MinBackoff, cfg.MaxBackoff = 20*time.Millisecond, 300*time.Millisecond
+	g, err := New(cfg)
 	if err != nil {
 		w.t.Fatal(err)
 	}
@@ -313,5 +321,91 @@ func TestIntegrationNodeConditionConvergesAcrossAPIServerOutage(t *testing.T) {
 	// on the way.
 	if got := obs.writes() - before; got != 1 {
 		t.Fatalf("%d writes after the outage, want 1 (the latest state only)", got)
+	}
+}
+
+// logRecorder keeps the gate's log messages, for tests that wait on a
+// decision that writes nothing.
+type logRecorder struct {
+	mu   *sync.Mutex
+	msgs *[]string
+}
+
+func newLogRecorder() logRecorder { return logRecorder{mu: &sync.Mutex{}, msgs: &[]string{}} }
+
+func (r logRecorder) Enabled(context.Context, slog.Level) bool { return true }
+func (r logRecorder) WithAttrs([]slog.Attr) slog.Handler       { return r }
+func (r logRecorder) WithGroup(string) slog.Handler            { return r }
+func (r logRecorder) Handle(_ context.Context, rec slog.Record) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	*r.msgs = append(*r.msgs, rec.Message)
+	return nil
+}
+
+func (r logRecorder) has(msg string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, m := range *r.msgs {
+		if m == msg {
+			return true
+		}
+	}
+	return false
+}
+
+// readyAndTrue brings the Node's condition to True with a gate that then
+// stops, and leaves the aggregate ready: the state a restarted agent finds.
+func (w *world) readyAndTrue() {
+	w.t.Helper()
+	for _, c := range []string{readiness.CNIInstalled, readiness.ZtunnelConnected, readiness.PodsSynced} {
+		w.ready.Set(c, true, "ok")
+	}
+	stop := w.start(&counter{}, nil)
+	w.waitCondition(corev1.ConditionTrue, ReasonReady, kubeletReady)
+	stop()
+}
+
+// A rolling upgrade restarts the agent on a ready node: the new agent is
+// not ready until ztunnel reconnects, and a False written meanwhile would
+// have inpod-controller (continuous mode) re-taint the node at once.
+func TestIntegrationNodeConditionRestartKeepsTrueWithinGrace(t *testing.T) {
+	w := newWorld(t)
+	w.readyAndTrue()
+	w.ready.Set(readiness.ZtunnelConnected, false, "no connection yet")
+	rv := w.node().ResourceVersion
+
+	logs, obs := newLogRecorder(), &counter{}
+	w.startWith(Config{Observer: obs, StartupGrace: time.Minute, Logger: slog.New(logs)}, nil)
+	testkit.Eventually(t, 10*time.Second, "the restarted gate holding (or writing)", func() bool {
+		return logs.has(holdingMsg) || w.node().ResourceVersion != rv
+	})
+	if n := w.node(); n.ResourceVersion != rv {
+		t.Fatalf("the restarted gate wrote before its first ready verdict (resourceVersion %s → %s): %+v", rv, n.ResourceVersion, find(n, ConditionType))
+	}
+	w.ready.Set(readiness.ZtunnelConnected, true, "1 connection")
+	testkit.Eventually(t, 10*time.Second, "the ready verdict seen", func() bool { return logs.has(readyInGraceMsg) })
+
+	// The next change is the gate's first write: nothing was written for
+	// the not-ready start nor for the ready verdict (the Node said True).
+	w.ready.Set(readiness.PodsSynced, false, "watch lost")
+	w.waitCondition(corev1.ConditionFalse, ReasonPodsNotSynced, kubeletReady)
+	testkit.Eventually(t, 10*time.Second, "the write counted", func() bool { return obs.writes() >= 1 })
+	if obs.writes() != 1 {
+		t.Fatalf("restarted gate wrote %d times, want 1 (only the change after the ready verdict)", obs.writes())
+	}
+}
+
+func TestIntegrationNodeConditionRestartWritesFalseAfterGrace(t *testing.T) {
+	w := newWorld(t)
+	w.readyAndTrue()
+	w.ready.Set(readiness.ZtunnelConnected, false, "ztunnel gone")
+
+	const grace = 2 * time.Second
+	start := time.Now()
+	w.startWith(Config{Observer: &counter{}, StartupGrace: grace}, nil)
+	w.waitCondition(corev1.ConditionFalse, ReasonZtunnelNotConnected, kubeletReady)
+	if took := time.Since(start); took < grace {
+		t.Fatalf("False written %s after the restart, before the %s startup grace", took.Round(time.Millisecond), grace)
 	}
 }
