@@ -3,8 +3,10 @@
 // aggregate, and inpod-controller (or node-readiness-controller) turns it
 // into the node's startup taint.
 //
-// It writes on transitions only — no heartbeat, so a node in steady state
-// costs the API server no writes — and never more than the one condition:
+// It writes on transitions, and to repair its Node (recreated, or the
+// condition changed by someone else), only — no heartbeat, so a node in
+// steady state costs the API server no writes — and never more than the
+// one condition:
 // the kubelet and others write the Node's other conditions concurrently, so
 // every write is a strategic merge patch on nodes/status, which merges
 // conditions by type.
@@ -20,8 +22,11 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
 
 	"github.com/inpod-dev/inpod/readiness"
 )
@@ -168,15 +173,33 @@ func (g *Gate) Name() string { return "node-condition" }
 // verdict or until StartupGrace passes, then False if still not ready.
 // When the condition is absent or False there is nothing to protect and
 // Run writes at once.
+//
+// Run also watches its own Node and writes the current state again when
+// the Node's condition is missing or says something else: a Node deleted
+// and registered again under a running agent has no condition (and the
+// admission policy's taint), and a condition changed by someone else
+// would otherwise stay wrong until the next readiness change. The watch
+// costs no writes in steady state: an event whose condition already says
+// the current state is dropped without a request.
 func (g *Gate) Run(ctx context.Context, ready *readiness.Aggregate) error {
+	ctx, stop := context.WithCancel(ctx)
 	states, cancel := ready.Subscribe()
 	defer cancel()
+	nodes, nodeChanged := g.watchNode()
+	defer nodes.Shutdown() // after stop: Shutdown waits for the informer, which ends with ctx
+	defer stop()
+	nodes.Start(ctx.Done())
 	var (
 		want    Condition
 		pending bool // want is not known to be on the Node
 		backoff time.Duration
 		retry   <-chan time.Time
 		graceC  <-chan time.Time
+		// Restores of the condition that follow each other closely back
+		// off, so a second writer that disagrees (another agent on the
+		// node) cannot turn the watch into a write loop.
+		restoreBackoff time.Duration
+		lastRestore    time.Time
 	)
 	holding := g.cfg.StartupGrace > 0 && g.conditionTrue(ctx)
 	if holding {
@@ -201,6 +224,23 @@ func (g *Gate) Run(ctx context.Context, ready *readiness.Aggregate) error {
 			if retry != nil {
 				// Keep waiting out the backoff: readiness flipping
 				// during an outage must not turn into a tight loop.
+				continue
+			}
+		case <-nodeChanged:
+			if holding || pending || want.Status == "" || g.onNode(nodes, want) {
+				continue
+			}
+			pending = true
+			now := time.Now()
+			if now.Sub(lastRestore) < 2*g.cfg.MaxBackoff {
+				restoreBackoff = min(max(2*restoreBackoff, g.cfg.MinBackoff), g.cfg.MaxBackoff)
+			} else {
+				restoreBackoff = 0
+			}
+			lastRestore = now
+			g.log.Info("the Node's condition is missing or differs from the current state; writing it again", "status", want.Status, "reason", want.Reason, "in", restoreBackoff)
+			if restoreBackoff > 0 {
+				retry = time.After(restoreBackoff)
 				continue
 			}
 		case <-graceC:
@@ -233,6 +273,47 @@ const (
 	holdingMsg      = "the Node's condition is True: writing nothing until the first ready verdict or the startup grace"
 	readyInGraceMsg = "ready within the startup grace; the condition was kept"
 )
+
+// watchNode returns an informer on the gate's own Node (by name: the
+// agent reads no other Node) and a channel nudged on each add or update.
+func (g *Gate) watchNode() (informers.SharedInformerFactory, <-chan struct{}) {
+	f := informers.NewSharedInformerFactoryWithOptions(g.cfg.Client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+		o.FieldSelector = fields.OneTermEqualSelector("metadata.name", g.cfg.NodeName).String()
+	}))
+	changed := make(chan struct{}, 1)
+	nudge := func() {
+		select {
+		case changed <- struct{}{}:
+		default:
+		}
+	}
+	_, _ = f.Core().V1().Nodes().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(any) { nudge() },
+		UpdateFunc: func(_, _ any) { nudge() },
+	})
+	return f, changed
+}
+
+// onNode tells whether the watched Node's condition says want, or there is
+// no Node to write to (a recreated one is an add, which nudges again). The
+// cache may lag the gate's own writes: a stale "differs" only costs the
+// read in converge, which then finds the condition right.
+func (g *Gate) onNode(nodes informers.SharedInformerFactory, want Condition) bool {
+	obj, ok, err := nodes.Core().V1().Nodes().Informer().GetStore().GetByKey(g.cfg.NodeName)
+	if err != nil || !ok {
+		return true
+	}
+	node, ok := obj.(*corev1.Node)
+	if !ok {
+		return true
+	}
+	for _, c := range node.Status.Conditions {
+		if c.Type == ConditionType {
+			return c.Status == want.Status && c.Reason == want.Reason && c.Message == want.Message
+		}
+	}
+	return false
+}
 
 // conditionTrue tells whether the Node's condition is True. Not knowing
 // only costs the grace, so an unreadable Node counts as True.

@@ -4,6 +4,7 @@ package nodecondition
 
 import (
 	"context"
+	"encoding/json"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -15,6 +16,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
@@ -407,5 +409,82 @@ func TestIntegrationNodeConditionRestartWritesFalseAfterGrace(t *testing.T) {
 	w.waitCondition(corev1.ConditionFalse, ReasonZtunnelNotConnected, kubeletReady)
 	if took := time.Since(start); took < grace {
 		t.Fatalf("False written %s after the restart, before the %s startup grace", took.Round(time.Millisecond), grace)
+	}
+}
+
+// createNode registers the Node with the kubelet's condition only, as a
+// kubelet (re-)registering does.
+func (w *world) createNode() {
+	w.t.Helper()
+	ctx := context.Background()
+	if _, err := w.admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{}); err != nil {
+		w.t.Fatal(err)
+	}
+	// A merge by type: the gate may already have written its condition.
+	patch, err := json.Marshal(map[string]any{"status": map[string]any{"conditions": []corev1.NodeCondition{kubeletReady}}})
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	if _, err := w.admin.CoreV1().Nodes().Patch(ctx, nodeName, types.StrategicMergePatchType, patch, metav1.PatchOptions{}, "status"); err != nil {
+		w.t.Fatal(err)
+	}
+}
+
+func TestIntegrationNodeConditionRestoredOnNewOrChangedNode(t *testing.T) {
+	w := newWorld(t)
+	for _, c := range []string{readiness.CNIInstalled, readiness.ZtunnelConnected, readiness.PodsSynced} {
+		w.ready.Set(c, true, "ok")
+	}
+	obs := &counter{}
+	w.start(obs, nil)
+	w.waitCondition(corev1.ConditionTrue, ReasonReady, kubeletReady)
+	ctx := context.Background()
+
+	// The Node is deleted and registered again (kubelet restart) under the
+	// running agent: the new Node gets the condition without a readiness
+	// change.
+	old := w.node().UID
+	if err := w.admin.CoreV1().Nodes().Delete(ctx, nodeName, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testkit.Eventually(t, 10*time.Second, "the Node gone", func() bool {
+		_, err := w.admin.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+		return err != nil
+	})
+	w.createNode()
+	if w.node().UID == old {
+		t.Fatal("the Node was not recreated")
+	}
+	w.waitCondition(corev1.ConditionTrue, ReasonReady, kubeletReady)
+
+	// Someone else sets it False: the gate writes its state again.
+	patch := `{"status":{"conditions":[{"type":"InPodRedirectionReady","status":"False","reason":"Manual","message":"set by hand"}]}}`
+	if _, err := w.admin.CoreV1().Nodes().Patch(ctx, nodeName, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}, "status"); err != nil {
+		t.Fatal(err)
+	}
+	testkit.Eventually(t, 30*time.Second, "the condition restored", func() bool {
+		c := find(w.node(), ConditionType)
+		return c != nil && c.Status == corev1.ConditionTrue && c.Reason == ReasonReady
+	})
+
+	// Other changes to the Node (the kubelet's status) cost no write: the
+	// next write is the next readiness change.
+	testkit.Eventually(t, 10*time.Second, "the writes counted", func() bool { return obs.writes() >= 3 })
+	before := obs.writes()
+	n := w.node()
+	kubelet := kubeletReady
+	kubelet.Message, kubelet.LastHeartbeatTime = "kubelet is posting ready status (again)", metav1.Unix(1_700_000_100, 0)
+	*find(n, corev1.NodeReady) = kubelet
+	if _, err := w.admin.CoreV1().Nodes().UpdateStatus(ctx, n, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	w.ready.Set(readiness.PodsSynced, false, "watch lost")
+	w.waitCondition(corev1.ConditionFalse, ReasonPodsNotSynced, kubelet)
+	testkit.Eventually(t, 10*time.Second, "the write counted", func() bool { return obs.writes() > before })
+	if got := obs.writes() - before; got != 1 {
+		t.Fatalf("%d writes for one readiness change after a kubelet status update, want 1", got)
+	}
+	if obs.failed() != 0 {
+		t.Fatalf("%d failed writes", obs.failed())
 	}
 }
