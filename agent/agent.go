@@ -39,6 +39,7 @@ import (
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/netns"
+	"github.com/inpod-dev/inpod/nodecondition"
 	"github.com/inpod-dev/inpod/passlist"
 	"github.com/inpod-dev/inpod/readiness"
 	"github.com/inpod-dev/inpod/zds"
@@ -98,6 +99,9 @@ type Config struct {
 	// DRA configures the dra gate; its Client, NodeName, Observer and
 	// Logger are filled in by the agent.
 	DRA dra.Config
+	// NodeCondition configures the node-condition gate; its Client,
+	// NodeName, Observer and Logger are filled in by the agent.
+	NodeCondition nodecondition.Config
 }
 
 // Agent is a running node agent.

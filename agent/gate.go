@@ -89,8 +89,9 @@ func (a *Agent) newGates(names []string) ([]Gate, error) {
 			cfg.Client, cfg.NodeName, cfg.Observer, cfg.Logger = own, a.cfg.NodeName, a.Metrics, a.log
 			g, err = dra.New(cfg)
 		case "node-condition":
-			g, err = nodecondition.New(nodecondition.Config{Client: a.client, NodeName: a.cfg.NodeName,
-				Observer: a.Metrics, Logger: a.log})
+			cfg := a.cfg.NodeCondition
+			cfg.Client, cfg.NodeName, cfg.Observer, cfg.Logger = a.client, a.cfg.NodeName, a.Metrics, a.log
+			g, err = nodecondition.New(cfg)
 		default:
 			err = fmt.Errorf("agent: gate %q has no constructor", name)
 		}

@@ -3,8 +3,10 @@
 // aggregate, and inpod-controller (or node-readiness-controller) turns it
 // into the node's startup taint.
 //
-// It writes on transitions only — no heartbeat, so a node in steady state
-// costs the API server no writes — and never more than the one condition:
+// It writes on transitions, and to repair its Node (recreated, or the
+// condition changed by someone else), only — no heartbeat, so a node in
+// steady state costs the API server no writes — and never more than the
+// one condition:
 // the kubelet and others write the Node's other conditions concurrently, so
 // every write is a strategic merge patch on nodes/status, which merges
 // conditions by type.
@@ -20,8 +22,11 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
 
 	"github.com/inpod-dev/inpod/readiness"
 )
@@ -92,6 +97,10 @@ type Observer interface {
 const (
 	DefaultMinBackoff = 200 * time.Millisecond
 	DefaultMaxBackoff = 10 * time.Second
+	// DefaultStartupGrace is how long a restarted agent that finds the
+	// condition True waits for its first ready verdict before it writes
+	// False (ztunnel reconnects within seconds).
+	DefaultStartupGrace = 15 * time.Second
 	// attemptTimeout bounds one read-and-patch, so a hung connection
 	// cannot hold back a newer state.
 	attemptTimeout = 10 * time.Second
@@ -104,8 +113,10 @@ type Config struct {
 	// MinBackoff and MaxBackoff bound the wait between failed attempts
 	// (doubling from min to max).
 	MinBackoff, MaxBackoff time.Duration
-	Observer               Observer
-	Logger                 *slog.Logger
+	// StartupGrace: see DefaultStartupGrace; negative means none.
+	StartupGrace time.Duration
+	Observer     Observer
+	Logger       *slog.Logger
 }
 
 // Gate writes the condition.
@@ -129,6 +140,9 @@ func New(cfg Config) (*Gate, error) {
 	if cfg.MaxBackoff < cfg.MinBackoff {
 		cfg.MaxBackoff = max(DefaultMaxBackoff, cfg.MinBackoff)
 	}
+	if cfg.StartupGrace == 0 {
+		cfg.StartupGrace = DefaultStartupGrace
+	}
 	if cfg.Observer == nil {
 		cfg.Observer = nopObserver{}
 	}
@@ -151,25 +165,88 @@ func (g *Gate) Name() string { return "node-condition" }
 // dead agent cannot be relied on to report, so the controller judges a
 // node whose agent pod is gone or not Ready by its own grace period, not
 // by this condition.
+//
+// A restarted agent is not ready at first (ztunnel has not reconnected),
+// and in continuous mode inpod-controller re-taints the node on False at
+// once: a rolling upgrade would block every node for its restart. So when
+// the Node already says True, Run writes nothing until the first ready
+// verdict or until StartupGrace passes, then False if still not ready.
+// When the condition is absent or False there is nothing to protect and
+// Run writes at once.
+//
+// Run also watches its own Node and writes the current state again when
+// the Node's condition is missing or says something else: a Node deleted
+// and registered again under a running agent has no condition (and the
+// admission policy's taint), and a condition changed by someone else
+// would otherwise stay wrong until the next readiness change. The watch
+// costs no writes in steady state: an event whose condition already says
+// the current state is dropped without a request.
 func (g *Gate) Run(ctx context.Context, ready *readiness.Aggregate) error {
+	ctx, stop := context.WithCancel(ctx)
 	states, cancel := ready.Subscribe()
 	defer cancel()
+	nodes, nodeChanged := g.watchNode()
+	defer nodes.Shutdown() // after stop: Shutdown waits for the informer, which ends with ctx
+	defer stop()
+	nodes.Start(ctx.Done())
 	var (
 		want    Condition
 		pending bool // want is not known to be on the Node
 		backoff time.Duration
 		retry   <-chan time.Time
+		graceC  <-chan time.Time
+		// Restores of the condition that follow each other closely back
+		// off, so a second writer that disagrees (another agent on the
+		// node) cannot turn the watch into a write loop.
+		restoreBackoff time.Duration
+		lastRestore    time.Time
 	)
+	holding := g.cfg.StartupGrace > 0 && g.conditionTrue(ctx)
+	if holding {
+		t := time.NewTimer(g.cfg.StartupGrace)
+		defer t.Stop()
+		graceC = t.C
+		g.log.Info(holdingMsg, "grace", g.cfg.StartupGrace)
+	}
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
 		case st := <-states:
 			want, pending = For(st), true
+			if holding {
+				if !st.Ready {
+					continue
+				}
+				holding, graceC = false, nil
+				g.log.Info(readyInGraceMsg)
+			}
 			if retry != nil {
 				// Keep waiting out the backoff: readiness flipping
 				// during an outage must not turn into a tight loop.
 				continue
+			}
+		case <-nodeChanged:
+			if holding || pending || want.Status == "" || g.onNode(nodes, want) {
+				continue
+			}
+			pending = true
+			now := time.Now()
+			if now.Sub(lastRestore) < 2*g.cfg.MaxBackoff {
+				restoreBackoff = min(max(2*restoreBackoff, g.cfg.MinBackoff), g.cfg.MaxBackoff)
+			} else {
+				restoreBackoff = 0
+			}
+			lastRestore = now
+			g.log.Info("the Node's condition is missing or differs from the current state; writing it again", "status", want.Status, "reason", want.Reason, "in", restoreBackoff)
+			if restoreBackoff > 0 {
+				retry = time.After(restoreBackoff)
+				continue
+			}
+		case <-graceC:
+			holding, graceC = false, nil
+			if pending {
+				g.log.Warn("no ready verdict within the startup grace; writing the not-ready state", "grace", g.cfg.StartupGrace, "reason", want.Reason)
 			}
 		case <-retry:
 			retry = nil
@@ -189,6 +266,71 @@ func (g *Gate) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		}
 		pending, backoff = false, 0
 	}
+}
+
+// Log messages tests wait on.
+const (
+	holdingMsg      = "the Node's condition is True: writing nothing until the first ready verdict or the startup grace"
+	readyInGraceMsg = "ready within the startup grace; the condition was kept"
+)
+
+// watchNode returns an informer on the gate's own Node (by name: the
+// agent reads no other Node) and a channel nudged on each add or update.
+func (g *Gate) watchNode() (informers.SharedInformerFactory, <-chan struct{}) {
+	f := informers.NewSharedInformerFactoryWithOptions(g.cfg.Client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+		o.FieldSelector = fields.OneTermEqualSelector("metadata.name", g.cfg.NodeName).String()
+	}))
+	changed := make(chan struct{}, 1)
+	nudge := func() {
+		select {
+		case changed <- struct{}{}:
+		default:
+		}
+	}
+	_, _ = f.Core().V1().Nodes().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(any) { nudge() },
+		UpdateFunc: func(_, _ any) { nudge() },
+	})
+	return f, changed
+}
+
+// onNode tells whether the watched Node's condition says want, or there is
+// no Node to write to (a recreated one is an add, which nudges again). The
+// cache may lag the gate's own writes: a stale "differs" only costs the
+// read in converge, which then finds the condition right.
+func (g *Gate) onNode(nodes informers.SharedInformerFactory, want Condition) bool {
+	obj, ok, err := nodes.Core().V1().Nodes().Informer().GetStore().GetByKey(g.cfg.NodeName)
+	if err != nil || !ok {
+		return true
+	}
+	node, ok := obj.(*corev1.Node)
+	if !ok {
+		return true
+	}
+	for _, c := range node.Status.Conditions {
+		if c.Type == ConditionType {
+			return c.Status == want.Status && c.Reason == want.Reason && c.Message == want.Message
+		}
+	}
+	return false
+}
+
+// conditionTrue tells whether the Node's condition is True. Not knowing
+// only costs the grace, so an unreadable Node counts as True.
+func (g *Gate) conditionTrue(ctx context.Context) bool {
+	ctx, cancel := context.WithTimeout(ctx, attemptTimeout)
+	defer cancel()
+	node, err := g.cfg.Client.CoreV1().Nodes().Get(ctx, g.cfg.NodeName, metav1.GetOptions{})
+	if err != nil {
+		g.log.Warn("cannot read the node; holding as if its condition were True", "err", err)
+		return true
+	}
+	for _, c := range node.Status.Conditions {
+		if c.Type == ConditionType {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
 }
 
 // converge reads the Node and patches the condition unless it already says

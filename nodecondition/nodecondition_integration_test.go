@@ -4,6 +4,8 @@ package nodecondition
 
 import (
 	"context"
+	"encoding/json"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -14,6 +16,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
@@ -126,8 +129,15 @@ func (w *world) applyAgentRBAC() {
 // Run to return.
 func (w *world) start(obs *counter, clock func() time.Time) (stop func()) {
 	w.t.Helper()
-	g, err := New(Config{Client: w.agent, NodeName: nodeName, Observer: obs,
-		MinBackoff: 20 * time.Millisecond, MaxBackoff: 300 * time.Millisecond})
+	return w.startWith(Config{Observer: obs}, clock)
+}
+
+// startWith is start with cfg's StartupGrace, Observer and Logger.
+func (w *world) startWith(cfg Config, clock func() time.Time) (stop func()) {
+	w.t.Helper()
+	cfg.Client, cfg.NodeName = w.agent, nodeName
+	cfg.MinBackoff, cfg.MaxBackoff = 20*time.Millisecond, 300*time.Millisecond
+	g, err := New(cfg)
 	if err != nil {
 		w.t.Fatal(err)
 	}
@@ -313,5 +323,168 @@ func TestIntegrationNodeConditionConvergesAcrossAPIServerOutage(t *testing.T) {
 	// on the way.
 	if got := obs.writes() - before; got != 1 {
 		t.Fatalf("%d writes after the outage, want 1 (the latest state only)", got)
+	}
+}
+
+// logRecorder keeps the gate's log messages, for tests that wait on a
+// decision that writes nothing.
+type logRecorder struct {
+	mu   *sync.Mutex
+	msgs *[]string
+}
+
+func newLogRecorder() logRecorder { return logRecorder{mu: &sync.Mutex{}, msgs: &[]string{}} }
+
+func (r logRecorder) Enabled(context.Context, slog.Level) bool { return true }
+func (r logRecorder) WithAttrs([]slog.Attr) slog.Handler       { return r }
+func (r logRecorder) WithGroup(string) slog.Handler            { return r }
+func (r logRecorder) Handle(_ context.Context, rec slog.Record) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	*r.msgs = append(*r.msgs, rec.Message)
+	return nil
+}
+
+func (r logRecorder) has(msg string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, m := range *r.msgs {
+		if m == msg {
+			return true
+		}
+	}
+	return false
+}
+
+// readyAndTrue brings the Node's condition to True with a gate that then
+// stops, and leaves the aggregate ready: the state a restarted agent finds.
+func (w *world) readyAndTrue() {
+	w.t.Helper()
+	for _, c := range []string{readiness.CNIInstalled, readiness.ZtunnelConnected, readiness.PodsSynced} {
+		w.ready.Set(c, true, "ok")
+	}
+	stop := w.start(&counter{}, nil)
+	w.waitCondition(corev1.ConditionTrue, ReasonReady, kubeletReady)
+	stop()
+}
+
+// A rolling upgrade restarts the agent on a ready node: the new agent is
+// not ready until ztunnel reconnects, and a False written meanwhile would
+// have inpod-controller (continuous mode) re-taint the node at once.
+func TestIntegrationNodeConditionRestartKeepsTrueWithinGrace(t *testing.T) {
+	w := newWorld(t)
+	w.readyAndTrue()
+	w.ready.Set(readiness.ZtunnelConnected, false, "no connection yet")
+	rv := w.node().ResourceVersion
+
+	logs, obs := newLogRecorder(), &counter{}
+	w.startWith(Config{Observer: obs, StartupGrace: time.Minute, Logger: slog.New(logs)}, nil)
+	testkit.Eventually(t, 10*time.Second, "the restarted gate holding (or writing)", func() bool {
+		return logs.has(holdingMsg) || w.node().ResourceVersion != rv
+	})
+	if n := w.node(); n.ResourceVersion != rv {
+		t.Fatalf("the restarted gate wrote before its first ready verdict (resourceVersion %s → %s): %+v", rv, n.ResourceVersion, find(n, ConditionType))
+	}
+	w.ready.Set(readiness.ZtunnelConnected, true, "1 connection")
+	testkit.Eventually(t, 10*time.Second, "the ready verdict seen", func() bool { return logs.has(readyInGraceMsg) })
+
+	// The next change is the gate's first write: nothing was written for
+	// the not-ready start nor for the ready verdict (the Node said True).
+	w.ready.Set(readiness.PodsSynced, false, "watch lost")
+	w.waitCondition(corev1.ConditionFalse, ReasonPodsNotSynced, kubeletReady)
+	testkit.Eventually(t, 10*time.Second, "the write counted", func() bool { return obs.writes() >= 1 })
+	if obs.writes() != 1 {
+		t.Fatalf("restarted gate wrote %d times, want 1 (only the change after the ready verdict)", obs.writes())
+	}
+}
+
+func TestIntegrationNodeConditionRestartWritesFalseAfterGrace(t *testing.T) {
+	w := newWorld(t)
+	w.readyAndTrue()
+	w.ready.Set(readiness.ZtunnelConnected, false, "ztunnel gone")
+
+	const grace = 2 * time.Second
+	start := time.Now()
+	w.startWith(Config{Observer: &counter{}, StartupGrace: grace}, nil)
+	w.waitCondition(corev1.ConditionFalse, ReasonZtunnelNotConnected, kubeletReady)
+	if took := time.Since(start); took < grace {
+		t.Fatalf("False written %s after the restart, before the %s startup grace", took.Round(time.Millisecond), grace)
+	}
+}
+
+// createNode registers the Node with the kubelet's condition only, as a
+// kubelet (re-)registering does.
+func (w *world) createNode() {
+	w.t.Helper()
+	ctx := context.Background()
+	if _, err := w.admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{}); err != nil {
+		w.t.Fatal(err)
+	}
+	// A merge by type: the gate may already have written its condition.
+	patch, err := json.Marshal(map[string]any{"status": map[string]any{"conditions": []corev1.NodeCondition{kubeletReady}}})
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	if _, err := w.admin.CoreV1().Nodes().Patch(ctx, nodeName, types.StrategicMergePatchType, patch, metav1.PatchOptions{}, "status"); err != nil {
+		w.t.Fatal(err)
+	}
+}
+
+func TestIntegrationNodeConditionRestoredOnNewOrChangedNode(t *testing.T) {
+	w := newWorld(t)
+	for _, c := range []string{readiness.CNIInstalled, readiness.ZtunnelConnected, readiness.PodsSynced} {
+		w.ready.Set(c, true, "ok")
+	}
+	obs := &counter{}
+	w.start(obs, nil)
+	w.waitCondition(corev1.ConditionTrue, ReasonReady, kubeletReady)
+	ctx := context.Background()
+
+	// The Node is deleted and registered again (kubelet restart) under the
+	// running agent: the new Node gets the condition without a readiness
+	// change.
+	old := w.node().UID
+	if err := w.admin.CoreV1().Nodes().Delete(ctx, nodeName, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testkit.Eventually(t, 10*time.Second, "the Node gone", func() bool {
+		_, err := w.admin.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+		return err != nil
+	})
+	w.createNode()
+	if w.node().UID == old {
+		t.Fatal("the Node was not recreated")
+	}
+	w.waitCondition(corev1.ConditionTrue, ReasonReady, kubeletReady)
+
+	// Someone else sets it False: the gate writes its state again.
+	patch := `{"status":{"conditions":[{"type":"InPodRedirectionReady","status":"False","reason":"Manual","message":"set by hand"}]}}`
+	if _, err := w.admin.CoreV1().Nodes().Patch(ctx, nodeName, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}, "status"); err != nil {
+		t.Fatal(err)
+	}
+	testkit.Eventually(t, 30*time.Second, "the condition restored", func() bool {
+		c := find(w.node(), ConditionType)
+		return c != nil && c.Status == corev1.ConditionTrue && c.Reason == ReasonReady
+	})
+
+	// Other changes to the Node (the kubelet's status) cost no write: the
+	// next write is the next readiness change.
+	testkit.Eventually(t, 10*time.Second, "the writes counted", func() bool { return obs.writes() >= 3 })
+	before := obs.writes()
+	n := w.node()
+	kubelet := kubeletReady
+	kubelet.Message, kubelet.LastHeartbeatTime = "kubelet is posting ready status (again)", metav1.Unix(1_700_000_100, 0)
+	*find(n, corev1.NodeReady) = kubelet
+	if _, err := w.admin.CoreV1().Nodes().UpdateStatus(ctx, n, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	w.ready.Set(readiness.PodsSynced, false, "watch lost")
+	w.waitCondition(corev1.ConditionFalse, ReasonPodsNotSynced, kubelet)
+	testkit.Eventually(t, 10*time.Second, "the write counted", func() bool { return obs.writes() > before })
+	if got := obs.writes() - before; got != 1 {
+		t.Fatalf("%d writes for one readiness change after a kubelet status update, want 1", got)
+	}
+	if obs.failed() != 0 {
+		t.Fatalf("%d failed writes", obs.failed())
 	}
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/internal/envflag"
+	"github.com/inpod-dev/inpod/nodecondition"
 	"github.com/inpod-dev/inpod/zds"
 )
 
@@ -62,6 +63,7 @@ func run() error {
 	fs.IntVar(&cfg.DevicePlugin.Devices, "devices", 0, fmt.Sprintf("devices to advertise; 0: the Node's pod capacity (status.capacity.pods), or %d when it cannot be read", deviceplugin.DefaultDevices))
 	fs.StringVar(&cfg.DRA.RegistrarDir, "dra-registrar-dir", dra.DefaultRegistrarDir, "the kubelet's plugin registration directory (the dra gate registers there)")
 	fs.StringVar(&cfg.DRA.PluginDir, "dra-plugin-dir", dra.DefaultPluginDir, "the dra gate's own directory: its gRPC socket and its record of prepared claims (same path on the host and in the container)")
+	fs.DurationVar(&cfg.NodeCondition.StartupGrace, "node-condition-startup-grace", nodecondition.DefaultStartupGrace, "node-condition gate: when the Node's condition is already True at start (an agent restart), write nothing until the first ready verdict or until this passes, so a restart does not re-taint the node; negative: no grace")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	err := envflag.Parse(fs, "inpod-agent: the inpod node agent (run as a DaemonSet with hostNetwork)", os.Args[1:])
 	if err == flag.ErrHelp {
