@@ -36,11 +36,19 @@ for mode in bootstrap continuous; do
     --set-string 'controller.nodeSelector.example\.com/mesh=true')
   "$helm" lint --strict "$chart" "${args[@]}" >/dev/null
   out=$("$helm" template inpod "$chart" -n inpod-system "${args[@]}")
-  for want in "--mode=$mode" "--taint=example.com/mesh-not-ready:NoSchedule" "--node-selector=example.com/mesh=true" \
+  for want in "--mode=$mode" "--taint=example.com/mesh-not-ready:NoSchedule" "--node-selector=example.com/mesh=true,kubernetes.io/os=linux" \
     'key: "example.com/mesh-not-ready", effect: "NoSchedule"' 'example.com/mesh: "true"' "kind: MutatingAdmissionPolicyBinding"; do
     grep -qF -- "$want" <<<"$out" || { echo "controller mode=$mode: rendered chart lacks $want" >&2; exit 1; }
   done
 done
+# The mesh nodes are the agent's nodes at most: by default the policy and
+# the controller select kubernetes.io/os=linux, not every node (a node
+# without an agent would keep the taint forever).
+out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}' --set controller.enabled=true --set controller.nodeTaintPolicy.enabled=true)
+grep -qF -- "--node-selector=kubernetes.io/os=linux" <<<"$out" || { echo "controller: default --node-selector is not agent.nodeSelector" >&2; exit 1; }
+binding=$(sed -n '/^kind: MutatingAdmissionPolicyBinding/,/^---/p' <<<"$out")
+grep -qF 'kubernetes.io/os: linux' <<<"$binding" || { echo "node-taint policy binding does not select agent.nodeSelector:" >&2; echo "$binding" >&2; exit 1; }
+if grep -q 'objectSelector: {}' <<<"$binding"; then echo "node-taint policy binding selects every node" >&2; exit 1; fi
 out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}')
 if grep -q 'inpod-controller\|inpod-node-startup-taint' <<<"$out"; then
   echo "controller.enabled=false still renders inpod-controller objects" >&2; exit 1
