@@ -49,6 +49,17 @@ grep -qF -- "--node-selector=kubernetes.io/os=linux" <<<"$out" || { echo "contro
 binding=$(sed -n '/^kind: MutatingAdmissionPolicyBinding/,/^---/p' <<<"$out")
 grep -qF 'kubernetes.io/os: linux' <<<"$binding" || { echo "node-taint policy binding does not select agent.nodeSelector:" >&2; echo "$binding" >&2; exit 1; }
 if grep -q 'objectSelector: {}' <<<"$binding"; then echo "node-taint policy binding selects every node" >&2; exit 1; fi
+# The uninstall hook deletes the node-taint binding first (Helm would delete
+# it after the controller), allowed to delete that one binding only; never
+# without the policy.
+hook=$(sed -n '/name: inpod-uninstall-hook/,$p' <<<"$out")
+for want in '--node-taint-binding=inpod-node-startup-taint' 'kind: ClusterRole' 'resources: [mutatingadmissionpolicybindings]' 'resourceNames: [inpod-node-startup-taint]'; do
+  grep -qF -- "$want" <<<"$hook" || { echo "uninstall hook with the node-taint policy lacks $want" >&2; exit 1; }
+done
+out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}' --set controller.enabled=true)
+if grep -q 'node-taint-binding\|kind: ClusterRoleBinding' <<<"$(sed -n '/name: inpod-uninstall-hook/,$p' <<<"$out")"; then
+  echo "uninstall hook deletes a node-taint binding the chart does not render" >&2; exit 1
+fi
 out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}')
 if grep -q 'inpod-controller\|inpod-node-startup-taint' <<<"$out"; then
   echo "controller.enabled=false still renders inpod-controller objects" >&2; exit 1
