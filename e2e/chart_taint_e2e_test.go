@@ -80,7 +80,10 @@ func TestE2EChartTaintMode(t *testing.T) {
 	testkit.Eventually(t, time.Minute, "the chart's node-taint policy tainting a new Node", func() bool {
 		probe++
 		name := fmt.Sprintf("policy-probe-%d", probe)
-		created, err := client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
+		// kubernetes.io/os: as a kubelet labels its Node; the policy selects
+		// the agent's nodes only.
+		created, err := client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name,
+			Labels: map[string]string{"kubernetes.io/os": "linux"}}}, metav1.CreateOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}

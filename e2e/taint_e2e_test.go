@@ -38,7 +38,7 @@ func installNodeTaintPolicy(ctx context.Context, cp *cluster.ControlPlane, repo 
 	return testkit.Poll(60*time.Second, "the node-taint policy in effect", func() (bool, error) {
 		probe++
 		name := fmt.Sprintf("policy-probe-%d", probe)
-		n, err := cp.Client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
+		n, err := cp.Client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{"kubernetes.io/os": "linux"}}}, metav1.CreateOptions{})
 		if err != nil {
 			return false, err
 		}

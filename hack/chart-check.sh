@@ -36,11 +36,30 @@ for mode in bootstrap continuous; do
     --set-string 'controller.nodeSelector.example\.com/mesh=true')
   "$helm" lint --strict "$chart" "${args[@]}" >/dev/null
   out=$("$helm" template inpod "$chart" -n inpod-system "${args[@]}")
-  for want in "--mode=$mode" "--taint=example.com/mesh-not-ready:NoSchedule" "--node-selector=example.com/mesh=true" \
+  for want in "--mode=$mode" "--taint=example.com/mesh-not-ready:NoSchedule" "--node-selector=example.com/mesh=true,kubernetes.io/os=linux" \
     'key: "example.com/mesh-not-ready", effect: "NoSchedule"' 'example.com/mesh: "true"' "kind: MutatingAdmissionPolicyBinding"; do
     grep -qF -- "$want" <<<"$out" || { echo "controller mode=$mode: rendered chart lacks $want" >&2; exit 1; }
   done
 done
+# The mesh nodes are the agent's nodes at most: by default the policy and
+# the controller select kubernetes.io/os=linux, not every node (a node
+# without an agent would keep the taint forever).
+out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}' --set controller.enabled=true --set controller.nodeTaintPolicy.enabled=true)
+grep -qF -- "--node-selector=kubernetes.io/os=linux" <<<"$out" || { echo "controller: default --node-selector is not agent.nodeSelector" >&2; exit 1; }
+binding=$(sed -n '/^kind: MutatingAdmissionPolicyBinding/,/^---/p' <<<"$out")
+grep -qF 'kubernetes.io/os: linux' <<<"$binding" || { echo "node-taint policy binding does not select agent.nodeSelector:" >&2; echo "$binding" >&2; exit 1; }
+if grep -q 'objectSelector: {}' <<<"$binding"; then echo "node-taint policy binding selects every node" >&2; exit 1; fi
+# The uninstall hook deletes the node-taint binding first (Helm would delete
+# it after the controller), allowed to delete that one binding only; never
+# without the policy.
+hook=$(sed -n '/name: inpod-uninstall-hook/,$p' <<<"$out")
+for want in '--node-taint-binding=inpod-node-startup-taint' 'kind: ClusterRole' 'resources: [mutatingadmissionpolicybindings]' 'resourceNames: [inpod-node-startup-taint]'; do
+  grep -qF -- "$want" <<<"$hook" || { echo "uninstall hook with the node-taint policy lacks $want" >&2; exit 1; }
+done
+out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}' --set controller.enabled=true)
+if grep -q 'node-taint-binding\|kind: ClusterRoleBinding' <<<"$(sed -n '/name: inpod-uninstall-hook/,$p' <<<"$out")"; then
+  echo "uninstall hook deletes a node-taint binding the chart does not render" >&2; exit 1
+fi
 out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}')
 if grep -q 'inpod-controller\|inpod-node-startup-taint' <<<"$out"; then
   echo "controller.enabled=false still renders inpod-controller objects" >&2; exit 1
@@ -51,7 +70,7 @@ echo "chart: inpod-controller renders in both modes with the node-taint policy"
 wh=(--set enrollment.autoRequest.mode=webhook --set controller.enabled=true)
 out=$("$helm" template inpod "$chart" -n inpod-system "${wh[@]}" --set enrollment.autoRequest.webhook.caBundle=Q0E=)
 for want in 'kind: MutatingWebhookConfiguration' 'caBundle: Q0E=' 'name: inpod-webhook' 'targetPort: webhook' 'failurePolicy: Ignore' \
-  '--webhook-addr=:9443' '--exclude-namespaces=kube-system' 'containerPort: 9443' 'secretName: inpod-webhook-tls'; do
+  '--webhook-addr=:9443' '--exclude-namespaces=kube-system' 'containerPort: 9443' 'secretName: inpod-webhook-tls' 'optional: true'; do
   grep -qF -- "$want" <<<"$out" || { echo "mode=webhook: rendered manifests lack $want" >&2; exit 1; }
 done
 if grep -q 'kind: MutatingAdmissionPolicy' <<<"$out"; then echo "mode=webhook also renders the policy" >&2; exit 1; fi

@@ -40,5 +40,8 @@
 // a certificate and key in a directory (tls.crt, tls.key: a
 // kubernetes.io/tls Secret, cert-manager's or one's own, mounted there).
 // The files are read again when they change, so a rotated certificate is
-// served without a restart.
+// served without a restart. The webhook starts without them (handshakes
+// fail until they appear) and Run never fails, retrying its listener: it
+// shares inpod-controller's process with the taint controller, which a
+// webhook problem must never stop.
 package requestwebhook

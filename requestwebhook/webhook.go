@@ -87,25 +87,52 @@ func New(cfg Config) (*Webhook, error) {
 	return w, nil
 }
 
-// Run watches Namespaces and serves HTTPS on Addr until ctx ends. It fails
-// when the certificate cannot be read at start or the address is taken.
+// Run watches Namespaces and serves HTTPS on Addr until ctx ends. It does
+// not fail: the webhook shares its process with the taint controller, which
+// must go on removing taints whatever happens here. A listener that cannot
+// be opened (the address taken) or that fails is opened again after
+// RetryInterval, with an error logged each time; a missing certificate
+// fails handshakes only, until it appears (see Serve).
 func (w *Webhook) Run(ctx context.Context) error {
-	ln, err := net.Listen("tcp", w.cfg.Addr)
-	if err != nil {
-		return fmt.Errorf("requestwebhook: %w", err)
-	}
-	return w.Serve(ctx, ln)
-}
-
-// Serve is Run on a listener of the caller's (closed when it returns).
-func (w *Webhook) Serve(ctx context.Context, ln net.Listener) error {
-	certs := &certFiles{dir: w.cfg.CertDir, log: w.log}
-	if _, err := certs.get(nil); err != nil {
-		ln.Close()
-		return err
-	}
 	w.factory.Start(ctx.Done())
 	defer w.factory.Shutdown()
+	for {
+		ln, err := net.Listen("tcp", w.cfg.Addr)
+		if err == nil {
+			err = w.serve(ctx, ln)
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		w.log.Error("webhook not serving; retrying", "addr", w.cfg.Addr, "in", RetryInterval, "err", err)
+		t := time.NewTimer(RetryInterval)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// RetryInterval is how long Run waits before it opens its listener again.
+var RetryInterval = 5 * time.Second
+
+// Serve is Run on a listener of the caller's (closed when it returns),
+// without the retry: it fails only when the listener does. It starts
+// without the certificate files: handshakes fail (the API server then
+// applies failurePolicy Ignore) until they appear, read on each handshake.
+func (w *Webhook) Serve(ctx context.Context, ln net.Listener) error {
+	w.factory.Start(ctx.Done())
+	defer w.factory.Shutdown()
+	return w.serve(ctx, ln)
+}
+
+func (w *Webhook) serve(ctx context.Context, ln net.Listener) error {
+	certs := &certFiles{dir: w.cfg.CertDir, log: w.log}
+	if _, err := certs.get(nil); err != nil {
+		w.log.Warn("no serving certificate yet; handshakes fail until it appears", "err", err)
+	}
 	mux := http.NewServeMux()
 	mux.Handle(Path, w)
 	srv := &http.Server{
@@ -125,6 +152,7 @@ func (w *Webhook) Serve(ctx context.Context, ln net.Listener) error {
 	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	srv.Shutdown(sctx)
+	<-done
 	return nil
 }
 

@@ -45,6 +45,9 @@ const (
 	DefaultLeaseDuration = 15 * time.Second
 	DefaultRenewDeadline = 10 * time.Second
 	DefaultRetryPeriod   = 2 * time.Second
+	// DefaultCacheSyncTimeout: a first list of every node and agent pod
+	// takes seconds even on large clusters.
+	DefaultCacheSyncTimeout = 2 * time.Minute
 	// DefaultQPS and DefaultBurst are the client-side rate limits
 	// inpod-controller's API client gets: a burst of 200 node writes (a
 	// pool of nodes turning ready at once) goes out without waiting.
@@ -87,6 +90,10 @@ type Config struct {
 	// ReleaseOnCancel gives the Lease up when ctx ends, so another replica
 	// takes over at once instead of after LeaseDuration.
 	ReleaseOnCancel bool
+	// CacheSyncTimeout bounds a new leader's wait for its node and pod
+	// caches; past it the leader gives the Lease up and Run fails (a leader
+	// that cannot see the nodes would hold the Lease and remove no taint).
+	CacheSyncTimeout time.Duration
 	// HealthAddr serves /healthz and /readyz, MetricsAddr /metrics; empty:
 	// not served.
 	HealthAddr, MetricsAddr string
@@ -173,6 +180,9 @@ func New(cfg Config) (*Controller, error) {
 	if cfg.RetryPeriod <= 0 {
 		cfg.RetryPeriod = DefaultRetryPeriod
 	}
+	if cfg.CacheSyncTimeout <= 0 {
+		cfg.CacheSyncTimeout = DefaultCacheSyncTimeout
+	}
 	if cfg.Metrics == nil {
 		cfg.Metrics = NewMetrics()
 	}
@@ -209,10 +219,35 @@ func (c *Controller) Run(parent context.Context) error {
 	} else {
 		close(serveDone)
 	}
+	// The election runs on a context of its own, ended only once the
+	// workers have stopped: client-go releases the Lease (ReleaseOnCancel)
+	// as soon as its context ends, without waiting for OnStartedLeading, and
+	// the next leader would start while this one's workers still write.
+	ectx, ecancel := context.WithCancel(context.WithoutCancel(parent))
+	defer ecancel()
 	var (
-		wg      sync.WaitGroup
-		leadErr atomic.Pointer[error]
+		mu       sync.Mutex
+		leadDone chan struct{} // closed when OnStartedLeading returns; nil until it starts
+		closed   bool          // le.Run has returned: a late OnStartedLeading must not lead
+		leadErr  atomic.Pointer[error]
 	)
+	waitLead := func() {
+		mu.Lock()
+		d := leadDone
+		mu.Unlock()
+		if d != nil {
+			<-d
+		}
+	}
+	go func() {
+		select {
+		case <-ctx.Done():
+		case <-ectx.Done():
+			return
+		}
+		waitLead() // the workers stop on ctx (below), then the Lease goes
+		ecancel()
+	}()
 	le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
 		Lock: &resourcelock.LeaseLock{
 			LeaseMeta:  metav1.ObjectMeta{Namespace: c.cfg.LeaseNamespace, Name: c.cfg.LeaseName},
@@ -227,13 +262,34 @@ func (c *Controller) Run(parent context.Context) error {
 		Name:            c.cfg.LeaseName,
 		Callbacks: leaderelection.LeaderCallbacks{
 			OnStartedLeading: func(lctx context.Context) {
-				wg.Add(1)
-				defer wg.Done()
+				mu.Lock()
+				if closed || ctx.Err() != nil {
+					mu.Unlock()
+					return
+				}
+				done := make(chan struct{})
+				leadDone = done
+				mu.Unlock()
+				defer close(done)
+				// The workers stop when leadership is lost or on shutdown.
+				wctx, wcancel := context.WithCancel(lctx)
+				defer wcancel()
+				defer context.AfterFunc(ctx, wcancel)()
 				c.leading.Store(true)
 				c.cfg.Metrics.leader.Set(1)
 				c.log.Info("leading: reconciling nodes")
-				if err := c.lead(lctx); err != nil {
+				err := c.lead(wctx)
+				if err == nil && wctx.Err() == nil {
+					err = errors.New("taintcontroller: stopped reconciling while leading")
+				}
+				if err != nil {
+					// A leader that does not reconcile must not keep the
+					// Lease: give it up and exit, so another replica leads.
 					leadErr.Store(&err)
+					c.log.Error("giving up leadership", "err", err)
+					c.leading.Store(false)
+					c.cfg.Metrics.leader.Set(0)
+					ecancel()
 				}
 			},
 			OnStoppedLeading: func() {
@@ -245,10 +301,13 @@ func (c *Controller) Run(parent context.Context) error {
 	if err != nil {
 		return fmt.Errorf("taintcontroller: leader election: %w", err)
 	}
-	le.Run(ctx)
+	le.Run(ectx)
+	mu.Lock()
+	closed = true
+	mu.Unlock()
 	// le.Run returns as soon as renewing stops; the workers may still be
 	// finishing a write under the (now cancelled) leading context.
-	wg.Wait()
+	waitLead()
 	c.leading.Store(false)
 	c.cfg.Metrics.leader.Set(0)
 	cancel()
@@ -313,12 +372,21 @@ func (c *Controller) lead(ctx context.Context) error {
 	}); err != nil {
 		return err
 	}
+	// Shutdown waits for the informers, which stop on ctx: end it first
+	// when lead returns early (the caches not synced).
+	ctx, cancel := context.WithCancel(ctx)
 	nodeFactory.Start(ctx.Done())
 	podFactory.Start(ctx.Done())
 	defer nodeFactory.Shutdown()
 	defer podFactory.Shutdown()
-	if !cache.WaitForCacheSync(ctx.Done(), nodeInf.Informer().HasSynced, podInf.Informer().HasSynced) {
-		return nil // ctx ended
+	defer cancel()
+	sctx, scancel := context.WithTimeout(ctx, c.cfg.CacheSyncTimeout)
+	defer scancel()
+	if !cache.WaitForCacheSync(sctx.Done(), nodeInf.Informer().HasSynced, podInf.Informer().HasSynced) {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return fmt.Errorf("taintcontroller: node and agent pod caches not synced after %s", c.cfg.CacheSyncTimeout)
 	}
 	c.synced.Store(true)
 	defer c.synced.Store(false)

@@ -183,3 +183,84 @@ func TestIntegrationTaintHealthAndMetricsEndpoints(t *testing.T) {
 		t.Fatalf("/metrics does not count the barrier's removal:\n%s", body)
 	}
 }
+
+// On SIGTERM the Lease is given up only after the workers have stopped: a
+// release while a worker's node write is in flight lets the next leader
+// start while this one still writes (two leaders). The test holds the
+// leader's write to node a, stops the leader, and watches the Lease.
+func TestIntegrationTaintLeaseReleasedAfterWorkersStop(t *testing.T) {
+	w := newWorld(t)
+	r := w.start(t, Config{Mode: Bootstrap, Identity: "one"})
+	testkit.Eventually(t, 30*time.Second, "a leader", func() bool { return w.leaseHolder(t) == "one" })
+	entered, gate := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	r.writes.setBefore(func(req *http.Request) {
+		if req.Method != http.MethodGet && strings.HasSuffix(req.URL.Path, "/nodes/a") {
+			once.Do(func() { close(entered) })
+			<-gate
+		}
+	})
+	w.addNode(t, "a", nil)
+	w.addAgentPod(t, "a", true)
+	w.setCondition(t, "a", corev1.ConditionTrue)
+	select {
+	case <-entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the leader never wrote node a")
+	}
+	r.cancel()
+	// A bounded window to observe a premature release, not a sync.
+	if err := testkit.Poll(2*time.Second, "the Lease released", func() (bool, error) { return w.leaseHolder(t) == "", nil }); err == nil {
+		close(gate)
+		t.Fatal("the Lease was released while a worker's node write was in flight")
+	}
+	close(gate)
+	testkit.Eventually(t, 10*time.Second, "the Lease released once the workers stopped", func() bool { return w.leaseHolder(t) == "" })
+	<-r.done
+}
+
+// A leader whose caches never sync (here: its node list and watch never answer)
+// gives the Lease up and Run fails, rather than holding the Lease while
+// removing no taint.
+func TestIntegrationTaintLeaderGivesUpWhenCachesNeverSync(t *testing.T) {
+	w := newWorld(t)
+	stuck := make(chan struct{})
+	t.Cleanup(func() { close(stuck) })
+	wr := &writes{}
+	wr.setBefore(func(req *http.Request) {
+		// List and watch both: the informer may list through a watch
+		// (sendInitialEvents).
+		if req.Method == http.MethodGet && strings.HasSuffix(req.URL.Path, "/api/v1/nodes") {
+			select {
+			case <-req.Context().Done():
+			case <-stuck:
+			}
+		}
+	})
+	c, err := New(Config{Client: w.controllerClient(t, wr), Mode: Bootstrap, Identity: "stuck", AgentNamespace: ns, Workers: 1,
+		LeaseDuration: 2 * time.Second, RenewDeadline: 1500 * time.Millisecond, RetryPeriod: 200 * time.Millisecond,
+		ReleaseOnCancel: true, CacheSyncTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	defer func() {
+		cancel()
+		<-done
+	}()
+	select {
+	case err := <-done:
+		done <- err // for the deferred wait
+		if err == nil || !strings.Contains(err.Error(), "not synced") {
+			t.Fatalf("Run: %v, want the caches not synced", err)
+		}
+		t.Logf("Run: %v", err)
+	case <-time.After(15 * time.Second):
+		t.Fatalf("a leader with caches that never sync still leads after 15 s (Lease holder %q)", w.leaseHolder(t))
+	}
+	if h := w.leaseHolder(t); h == "stuck" {
+		t.Fatalf("the Lease is still held by the leader that gave up")
+	}
+}

@@ -54,7 +54,7 @@ func applyPolicy(t *testing.T, admin kubernetes.Interface) {
 	testkit.Eventually(t, 60*time.Second, "the policy taints a new Node", func() bool {
 		probe++
 		name := fmt.Sprintf("probe-%d", probe)
-		n, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
+		n, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: linux}}, metav1.CreateOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -64,6 +64,10 @@ func applyPolicy(t *testing.T, admin kubernetes.Interface) {
 		return hasStartupTaint(n)
 	})
 }
+
+// linux is the label the kubelet gives its Node at self-registration; the
+// policy selects agent.nodeSelector (kubernetes.io/os=linux by default).
+var linux = map[string]string{"kubernetes.io/os": "linux"}
 
 func hasStartupTaint(n *corev1.Node) bool {
 	k := 0
@@ -104,7 +108,7 @@ func testPolicy(t *testing.T, args []string) {
 	applyPolicy(t, admin)
 
 	// A plain client.
-	n, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "plain"}}, metav1.CreateOptions{})
+	n, err := admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "plain", Labels: linux}}, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -112,6 +116,17 @@ func testPolicy(t *testing.T, args []string) {
 		t.Fatalf("plain client's Node: taints %+v", n.Spec.Taints)
 	}
 	t.Logf("plain client's Node: taints %+v", n.Spec.Taints)
+
+	// A node the agent never runs on (agent.nodeSelector is
+	// kubernetes.io/os=linux) is never tainted: nothing would remove it.
+	n, err = admin.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "windows",
+		Labels: map[string]string{"kubernetes.io/os": "windows"}}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if hasStartupTaint(n) {
+		t.Fatalf("a Windows Node (no agent runs there) got the startup taint: %+v", n.Spec.Taints)
+	}
 
 	// A kubelet registering itself, under NodeRestriction, with its own
 	// startup taints and with ours already among them.
@@ -138,7 +153,7 @@ func testPolicy(t *testing.T, args []string) {
 		{"k3", []corev1.Taint{pool, taint}},
 	} {
 		n, err := kubelet(tc.name).CoreV1().Nodes().Create(ctx, &corev1.Node{
-			ObjectMeta: metav1.ObjectMeta{Name: tc.name, Labels: map[string]string{"kubernetes.io/hostname": tc.name}},
+			ObjectMeta: metav1.ObjectMeta{Name: tc.name, Labels: map[string]string{"kubernetes.io/hostname": tc.name, "kubernetes.io/os": "linux"}},
 			Spec:       corev1.NodeSpec{Taints: tc.taints},
 		}, metav1.CreateOptions{})
 		if err != nil {

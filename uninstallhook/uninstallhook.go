@@ -13,6 +13,12 @@
 // must not hide it: it fails, naming the nodes, so Helm stops the uninstall
 // (keeping the RBAC) and the user cleans those nodes before finishing with
 // `helm uninstall --no-hooks`.
+//
+// First of all it deletes the node-taint MutatingAdmissionPolicyBinding
+// (when the chart has one): Helm deletes admission policies last, after
+// inpod-controller, and a node registering while the policy is live but no
+// controller runs (during the hook's wait, or after it) would keep the
+// startup taint forever.
 package uninstallhook
 
 import (
@@ -34,6 +40,9 @@ type Config struct {
 	Client    kubernetes.Interface
 	Namespace string
 	DaemonSet string
+	// NodeTaintBinding is the node-taint MutatingAdmissionPolicyBinding to
+	// delete before anything else; empty when the chart has none.
+	NodeTaintBinding string
 	// Selector selects the agent pods to wait for.
 	Selector string
 	// Timeout bounds the wait; past it the hook fails, naming the nodes
@@ -45,7 +54,7 @@ type Config struct {
 	Logger *slog.Logger
 }
 
-// Run deletes the DaemonSet and waits until no agent pod remains. It fails
+// Run deletes the node-taint policy binding, then the DaemonSet, and waits until no agent pod remains. It fails
 // when an agent was not running at the start (its node keeps inpod), when
 // agents remain at the timeout, or when the API refuses it; the error names
 // the nodes left to clean by hand.
@@ -56,6 +65,19 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	if cfg.Poll == 0 {
 		cfg.Poll = time.Second
+	}
+	if cfg.NodeTaintBinding != "" {
+		// A failure stops the uninstall: going on would leave every node
+		// registering from now on tainted for good.
+		err := cfg.Client.AdmissionregistrationV1().MutatingAdmissionPolicyBindings().Delete(ctx, cfg.NodeTaintBinding, metav1.DeleteOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			log.Info("node-taint policy binding already gone", "binding", cfg.NodeTaintBinding)
+		case err != nil:
+			return fmt.Errorf("uninstall hook: delete MutatingAdmissionPolicyBinding %s (new nodes would keep the startup taint): %w", cfg.NodeTaintBinding, err)
+		default:
+			log.Info("deleted the node-taint policy binding: new nodes are no longer tainted", "binding", cfg.NodeTaintBinding)
+		}
 	}
 	// Read before the DaemonSet goes: once deleted, a crash-looping agent's
 	// pod disappears as fast as a clean one.

@@ -4,14 +4,19 @@ package uninstallhook_test
 
 import (
 	"context"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	admissionv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/inpod-dev/inpod/e2e/cluster"
@@ -53,10 +58,12 @@ func TestIntegrationUninstallHook(t *testing.T) {
 			if !tc.exits {
 				t.Cleanup(func() { deleteAgents(t, c) })
 			}
+			createBinding(t, c)
+			order := deletionOrder(t, c)
 			done := make(chan error, 1)
 			go func() {
 				done <- uninstallhook.Run(ctx, uninstallhook.Config{
-					Client: c, Namespace: ns, DaemonSet: "inpod-agent",
+					Client: c, Namespace: ns, DaemonSet: "inpod-agent", NodeTaintBinding: binding,
 					Selector: "app.kubernetes.io/name=inpod,app.kubernetes.io/component=agent",
 					Timeout:  3 * time.Second, Poll: 50 * time.Millisecond,
 				})
@@ -67,6 +74,12 @@ func TestIntegrationUninstallHook(t *testing.T) {
 			})
 			if tc.exits {
 				deleteAgents(t, c)
+			}
+			// The binding goes first: Helm would delete it last, after
+			// inpod-controller, and a node registering meanwhile would keep
+			// the startup taint for good.
+			if got := order(); !slices.Equal(got, []string{"binding", "daemonset"}) {
+				t.Fatalf("deleted in order %v, want [binding daemonset]", got)
 			}
 			var err error
 			select {
@@ -97,6 +110,78 @@ func TestIntegrationUninstallHook(t *testing.T) {
 				t.Errorf("error does not say how to finish: %v", err)
 			}
 		})
+	}
+}
+
+const binding = "inpod-node-startup-taint"
+
+func createBinding(t *testing.T, c kubernetes.Interface) {
+	t.Helper()
+	if _, err := c.AdmissionregistrationV1().MutatingAdmissionPolicyBindings().Create(context.Background(), &admissionv1.MutatingAdmissionPolicyBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: binding},
+		Spec:       admissionv1.MutatingAdmissionPolicyBindingSpec{PolicyName: binding},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// deletionOrder watches the binding and the DaemonSet from now; the
+// function it returns waits for both deletions and names them in the order
+// etcd committed them (the resourceVersion of a DELETED event is its
+// revision: comparable across resources in a test, never in the product).
+func deletionOrder(t *testing.T, c kubernetes.Interface) func() []string {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	bl, err := c.AdmissionregistrationV1().MutatingAdmissionPolicyBindings().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bw, err := c.AdmissionregistrationV1().MutatingAdmissionPolicyBindings().Watch(ctx, metav1.ListOptions{ResourceVersion: bl.ResourceVersion})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dl, err := c.AppsV1().DaemonSets(ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dw, err := c.AppsV1().DaemonSets(ns).Watch(ctx, metav1.ListOptions{ResourceVersion: dl.ResourceVersion})
+	if err != nil {
+		t.Fatal(err)
+	}
+	deleted := func(w watch.Interface, what string) int64 {
+		timeout := time.After(30 * time.Second)
+		for {
+			select {
+			case ev, ok := <-w.ResultChan():
+				if !ok {
+					t.Fatalf("%s watch closed", what)
+				}
+				if ev.Type != watch.Deleted {
+					continue
+				}
+				m, err := meta.Accessor(ev.Object)
+				if err != nil {
+					t.Fatal(err)
+				}
+				rv, err := strconv.ParseInt(m.GetResourceVersion(), 10, 64)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return rv
+			case <-timeout:
+				t.Fatalf("%s not deleted", what)
+			}
+		}
+	}
+	return func() []string {
+		defer bw.Stop()
+		defer dw.Stop()
+		b, d := deleted(bw, "binding"), deleted(dw, "daemonset")
+		if b < d {
+			return []string{"binding", "daemonset"}
+		}
+		return []string{"daemonset", "binding"}
 	}
 }
 

@@ -137,21 +137,32 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	// The webhook serves before and outside leader election: every replica
-	// behind the Service must answer. Either one failing stops both, and
-	// the process exits to be restarted.
+	return runWithWebhook(ctx, c, w, cfg.Logger)
+}
+
+// runner is what runWithWebhook runs: the taint controller, the webhook.
+type runner interface {
+	Run(ctx context.Context) error
+}
+
+// runWithWebhook runs the taint controller and the webhook until ctx ends.
+// The webhook serves before and outside leader election (every replica
+// behind the Service must answer), but nothing it does stops the
+// controller: a broken webhook costs resource requests (failurePolicy
+// Ignore), a stopped controller leaves nodes tainted. Its error is logged;
+// the controller's ends the process (to be restarted).
+func runWithWebhook(ctx context.Context, controller, webhook runner, log *slog.Logger) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	werr := make(chan error, 1)
+	done := make(chan struct{})
 	go func() {
-		err := w.Run(ctx)
-		cancel()
-		werr <- err
+		defer close(done)
+		if err := webhook.Run(ctx); err != nil && ctx.Err() == nil {
+			log.Error("webhook stopped; the taint controller goes on", "err", err)
+		}
 	}()
-	err = c.Run(ctx)
+	err := controller.Run(ctx)
 	cancel()
-	if e := <-werr; e != nil && err == nil {
-		err = e
-	}
+	<-done
 	return err
 }

@@ -1,17 +1,25 @@
 package main
 
 import (
+	"context"
+	"crypto/tls"
 	"flag"
+	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
+	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/client-go/kubernetes/scheme"
 
 	"github.com/inpod-dev/inpod/internal/envflag"
+	"github.com/inpod-dev/inpod/internal/requestcases"
 	"github.com/inpod-dev/inpod/internal/testkit"
+	"github.com/inpod-dev/inpod/requestwebhook"
 )
 
 // The shipped Deployment may only use flags and INPOD_* variables the
@@ -49,5 +57,73 @@ func TestDeploymentUsesKnownFlags(t *testing.T) {
 	}
 	if *d.Spec.Replicas != 2 {
 		t.Errorf("replicas %d, want 2", *d.Spec.Replicas)
+	}
+}
+
+// blocker stands for the taint controller: it runs until its context ends.
+type blocker struct{ ctx chan context.Context }
+
+func (b blocker) Run(ctx context.Context) error {
+	b.ctx <- ctx
+	<-ctx.Done()
+	return nil
+}
+
+// A webhook without its certificate (the Secret not yet issued, or gone)
+// must not stop the taint controller in the same process: nodes would stay
+// tainted for a webhook problem. It serves once the files appear.
+func TestWebhookWithoutCertificateKeepsControllerRunning(t *testing.T) {
+	dir := t.TempDir()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	w, err := requestwebhook.New(requestwebhook.Config{Client: fake.NewClientset(), Addr: addr, CertDir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctrl := blocker{ctx: make(chan context.Context, 1)}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- runWithWebhook(ctx, ctrl, w, slog.New(slog.DiscardHandler)) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	cctx := <-ctrl.ctx
+	handshake := func() error {
+		c, err := tls.DialWithDialer(&net.Dialer{Timeout: time.Second}, "tcp", addr, &tls.Config{InsecureSkipVerify: true})
+		if err == nil {
+			c.Close()
+		}
+		return err
+	}
+	var herr error
+	testkit.Eventually(t, 10*time.Second, "the webhook listening, or the controller stopped", func() bool {
+		if cctx.Err() != nil {
+			return true
+		}
+		c, err := net.DialTimeout("tcp", addr, time.Second)
+		if err != nil {
+			return false
+		}
+		c.Close()
+		herr = handshake()
+		return true
+	})
+	if cctx.Err() != nil {
+		t.Fatal("the taint controller was stopped by a webhook without its certificate")
+	}
+	if herr == nil {
+		t.Fatal("TLS handshake succeeded without a certificate")
+	}
+	requestcases.WriteServingCert(t, dir, 1)
+	testkit.Eventually(t, 10*time.Second, "a TLS handshake once the certificate appears", func() bool { return handshake() == nil })
+	if cctx.Err() != nil {
+		t.Fatal("the taint controller stopped")
 	}
 }

@@ -34,10 +34,18 @@ system:serviceaccount:{{ .Release.Namespace }}:inpod-agent
 {{ .Values.controller.taint.key }}:{{ .Values.controller.taint.effect }}
 {{- end }}
 
-{{/* controller.nodeSelector as a label selector (--node-selector). */}}
+{{/* The mesh nodes: agent.nodeSelector merged with controller.nodeSelector
+(the controller's wins on a shared key). A node the agent never runs on must
+never match, or the node-taint policy taints it and nothing removes the
+taint. As a dict for the binding's objectSelector. */}}
+{{- define "inpod.meshNodeLabels" -}}
+{{- toYaml (merge (deepCopy (.Values.controller.nodeSelector | default dict)) (deepCopy (.Values.agent.nodeSelector | default dict))) }}
+{{- end }}
+
+{{/* The mesh nodes as a label selector (--node-selector). */}}
 {{- define "inpod.meshNodeSelector" -}}
 {{- $terms := list }}
-{{- range $k, $v := .Values.controller.nodeSelector }}
+{{- range $k, $v := (include "inpod.meshNodeLabels" . | fromYaml) }}
 {{- $terms = append $terms (printf "%s=%s" $k $v) }}
 {{- end }}
 {{- join "," $terms }}
