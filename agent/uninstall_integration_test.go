@@ -18,17 +18,14 @@ import (
 	authnv1 "k8s.io/api/authentication/v1"
 	authzv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/inpod-dev/inpod/apiaccess"
-	"github.com/inpod-dev/inpod/internal/testkit"
+	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/plugin/apicheck"
 )
@@ -42,48 +39,7 @@ var agentLabels = map[string]string{"app.kubernetes.io/name": "inpod", "app.kube
 // applyRBAC creates the objects of deploy/rbac/*.yaml exactly as shipped.
 func (w *world) applyRBAC() {
 	w.t.Helper()
-	ctx := context.Background()
-	if _, err := w.client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: agentNS}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-		w.t.Fatal(err)
-	}
-	files, _ := filepath.Glob(filepath.Join(testkit.RepoDir(w.t), "deploy", "rbac", "*.yaml"))
-	if len(files) == 0 {
-		w.t.Fatal("no deploy/rbac/*.yaml")
-	}
-	for _, f := range files {
-		data, err := os.ReadFile(f)
-		if err != nil {
-			w.t.Fatal(err)
-		}
-		for _, doc := range strings.Split(string(data), "\n---\n") {
-			obj, _, err := scheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
-			if err != nil {
-				w.t.Fatalf("%s: %v", f, err)
-			}
-			if err := create(ctx, w.client, obj); err != nil {
-				w.t.Fatalf("%s: %v", f, err)
-			}
-		}
-	}
-}
-
-func create(ctx context.Context, c kubernetes.Interface, obj runtime.Object) error {
-	var err error
-	switch o := obj.(type) {
-	case *corev1.ServiceAccount:
-		_, err = c.CoreV1().ServiceAccounts(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
-	case *rbacv1.ClusterRole:
-		_, err = c.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
-	case *rbacv1.ClusterRoleBinding:
-		_, err = c.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
-	case *rbacv1.Role:
-		_, err = c.RbacV1().Roles(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
-	case *rbacv1.RoleBinding:
-		_, err = c.RbacV1().RoleBindings(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
-	default:
-		return fmt.Errorf("unexpected object %T", obj)
-	}
-	return err
+	clustertest.ApplyShippedRBAC(w.t, w.client)
 }
 
 // agentDaemonSet creates an agent DaemonSet and the pod its controller would

@@ -16,12 +16,10 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
 
@@ -76,7 +74,7 @@ func newWorld(t *testing.T) *world {
 	dir := testkit.ShortTempDir(t, "dra-")
 	w := &world{t: t, cp: cp, admin: cp.Client, ready: notReady(),
 		regDir: filepath.Join(dir, "reg"), pluginDir: filepath.Join(dir, "plugin")}
-	w.applyAgentRBAC()
+	clustertest.ApplyShippedRBAC(t, w.admin)
 	rc := rest.CopyConfig(cp.Rest)
 	rc.Impersonate = rest.ImpersonationConfig{UserName: "system:serviceaccount:inpod-system:inpod-agent"}
 	var err error
@@ -97,29 +95,6 @@ func setReady(a *readiness.Aggregate) {
 	a.Set(readiness.CNIInstalled, true, "")
 	a.Set(readiness.PodsSynced, true, "")
 	a.Set(readiness.ZtunnelConnected, true, "")
-}
-
-func (w *world) applyAgentRBAC() {
-	ctx := context.Background()
-	data, err := os.ReadFile(filepath.Join(testkit.RepoDir(w.t), "deploy", "rbac", "agent.yaml"))
-	if err != nil {
-		w.t.Fatal(err)
-	}
-	for _, doc := range strings.Split(string(data), "\n---\n") {
-		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
-		if err != nil {
-			w.t.Fatal(err)
-		}
-		switch o := obj.(type) {
-		case *rbacv1.ClusterRole:
-			_, err = w.admin.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
-		case *rbacv1.ClusterRoleBinding:
-			_, err = w.admin.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
-		}
-		if err != nil {
-			w.t.Fatal(err)
-		}
-	}
 }
 
 // start runs a driver on ready until stop (which waits for Run and fails

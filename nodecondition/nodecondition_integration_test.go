@@ -6,19 +6,15 @@ import (
 	"context"
 	"encoding/json"
 	"log/slog"
-	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 
 	"github.com/inpod-dev/inpod/e2e/cluster"
@@ -82,7 +78,7 @@ func newWorld(t *testing.T) *world {
 	cp := clustertest.ControlPlane(t, cluster.Config{})
 	w := &world{t: t, cp: cp, admin: cp.Client,
 		ready: readiness.New(nil, readiness.CNIInstalled, readiness.ZtunnelConnected, readiness.PodsSynced)}
-	w.applyAgentRBAC()
+	clustertest.ApplyShippedRBAC(t, w.admin)
 	rc := rest.CopyConfig(cp.Rest)
 	rc.Impersonate = rest.ImpersonationConfig{UserName: "system:serviceaccount:inpod-system:inpod-agent"}
 	var err error
@@ -98,31 +94,6 @@ func newWorld(t *testing.T) *world {
 		t.Fatal(err)
 	}
 	return w
-}
-
-// applyAgentRBAC creates the cluster-wide objects of deploy/rbac/agent.yaml
-// as shipped (the gate needs only those).
-func (w *world) applyAgentRBAC() {
-	ctx := context.Background()
-	data, err := os.ReadFile(filepath.Join(testkit.RepoDir(w.t), "deploy", "rbac", "agent.yaml"))
-	if err != nil {
-		w.t.Fatal(err)
-	}
-	for _, doc := range strings.Split(string(data), "\n---\n") {
-		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
-		if err != nil {
-			w.t.Fatal(err)
-		}
-		switch o := obj.(type) {
-		case *rbacv1.ClusterRole:
-			_, err = w.admin.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
-		case *rbacv1.ClusterRoleBinding:
-			_, err = w.admin.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
-		}
-		if err != nil {
-			w.t.Fatal(err)
-		}
-	}
 }
 
 // start runs a gate until the test ends or stop is called; stop waits for
