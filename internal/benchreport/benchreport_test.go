@@ -1,0 +1,50 @@
+package benchreport
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func TestRecordAppendsAndRenderOrdersHeadlineFirst(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "figures.jsonl")
+	t.Setenv(EnvFile, path)
+	Record(t, Figure{Section: "ZDS", Name: "Add→Ack p50", Value: 0.512, Unit: "ms", FloorName: "bare round trip", Floor: 0.128})
+	Record(t, Figure{Section: HeadlineSection, Name: "enrolled p50", Value: 1234, Unit: "ms", Target: "≤ 1.1× or +50 ms"})
+	Record(t, Figure{Section: "ZDS", Name: "Add→Ack p50", Value: 0.256, Unit: "ms", FloorName: "bare round trip", Floor: 0.128})
+
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	figures, err := Read(bytes.NewReader(data))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(figures) != 3 || figures[0].Source != t.Name() {
+		t.Fatalf("read %d figures (%+v), want 3 with their source", len(figures), figures)
+	}
+	var out bytes.Buffer
+	if err := Render(&out, "report", HeadlineSection, figures); err != nil {
+		t.Fatal(err)
+	}
+	md := out.String()
+	if strings.Index(md, HeadlineSection) > strings.Index(md, "## ZDS") {
+		t.Errorf("headline not first:\n%s", md)
+	}
+	if !strings.Contains(md, "| Add→Ack p50 | 0.256 ms | bare round trip: 0.128 ms | 2.00× |") || strings.Contains(md, "0.512") {
+		t.Errorf("a figure recorded twice should keep its last value with its ratio:\n%s", md)
+	}
+	if !strings.Contains(md, "| enrolled p50 | 1234 ms |  |  | ≤ 1.1× or +50 ms |") {
+		t.Errorf("figure without a floor:\n%s", md)
+	}
+}
+
+func TestReadRefusesATruncatedLine(t *testing.T) {
+	_, err := Read(strings.NewReader(`{"section":"a","name":"b","value":1}` + "\n" + `{"section":"a","na`))
+	if err == nil || !strings.Contains(err.Error(), "line 2") {
+		t.Fatalf("got %v, want an error naming line 2", err)
+	}
+}
