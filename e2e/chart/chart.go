@@ -41,6 +41,9 @@ type Target struct {
 	// CNIBin and CNIConf are the node's CNI dirs (the harness keeps its
 	// own, not /opt/cni/bin and /etc/cni/net.d).
 	CNIBin, CNIConf string
+	// KubeletDir is the kubelet's --root-dir (its plugin registry is
+	// under it; the device-plugin dir is fixed on the host whatever it is).
+	KubeletDir string
 }
 
 // LocalNode is the node `make cluster-up` runs under root.
@@ -51,6 +54,7 @@ func LocalNode(root string) Target {
 		Containerd: filepath.Join(root, "containerd", "containerd.sock"),
 		CNIBin:     filepath.Join(root, "cni", "bin"),
 		CNIConf:    filepath.Join(root, "cni", "net.d"),
+		KubeletDir: filepath.Join(root, "kubelet"),
 	}
 }
 
@@ -87,6 +91,8 @@ func (t Target) Values(tag string) ([]string, error) {
 		"--set", "paths.stateDir=" + filepath.Join(t.Root, "inpod", "state"),
 		"--set", "paths.cniBinDir=" + t.CNIBin,
 		"--set", "paths.cniConfDir=" + t.CNIConf,
+		"--set", "paths.draPluginRegistryDir=" + filepath.Join(t.KubeletDir, "plugins_registry"),
+		"--set", "paths.draPluginDir=" + filepath.Join(t.KubeletDir, "plugins", "redirection.inpod.dev"),
 		"--set", "agent.image.repository=" + images.AgentRepository,
 		"--set", "agent.image.tag=" + tag,
 		"--set", "agent.image.pullPolicy=Never",
@@ -202,5 +208,5 @@ func PrepareHost() error {
 
 // NodeTarget is an in-process test node.
 func NodeTarget(n *cluster.Node) Target {
-	return Target{Root: filepath.Dir(n.Kubeconfig), Kubeconfig: n.Kubeconfig, Containerd: n.Containerd, CNIBin: n.CNIBin, CNIConf: n.CNIConf}
+	return Target{Root: filepath.Dir(n.Kubeconfig), Kubeconfig: n.Kubeconfig, Containerd: n.Containerd, CNIBin: n.CNIBin, CNIConf: n.CNIConf, KubeletDir: n.KubeletDir}
 }
