@@ -13,6 +13,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
 	"github.com/inpod-dev/inpod/e2e/chart"
@@ -171,23 +172,46 @@ func agentReady(t *testing.T, ctx context.Context, node *cluster.Node) string {
 	return ""
 }
 
-// runTestApp runs testapp listening on :8080 and returns the running pod.
+// testAppPod is testapp serving :8080 (one line naming the connection's
+// original destination) and an echo on :8081, labelled app=name, with a
+// kubelet TCP readiness probe on :8080 (the probe's SNAT path).
+func testAppPod(ns, name string) *corev1.Pod {
+	grace := int64(1)
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{"app": name}},
+		Spec: corev1.PodSpec{TerminationGracePeriodSeconds: &grace, Containers: []corev1.Container{{
+			Name: "app", Image: images.TestAppRef, ImagePullPolicy: corev1.PullNever, Args: []string{"--listen", ":8080", "--echo", ":8081"},
+			ReadinessProbe: &corev1.Probe{PeriodSeconds: 1, ProbeHandler: corev1.ProbeHandler{
+				TCPSocket: &corev1.TCPSocketAction{Port: intstr.FromInt32(8080)}}},
+		}}},
+	}
+}
+
+// runTestApp runs testAppPod and returns it once Ready.
 func runTestApp(t *testing.T, ctx context.Context, node *cluster.Node, ns, name string) *corev1.Pod {
 	t.Helper()
-	grace := int64(1)
-	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
-		Spec: corev1.PodSpec{TerminationGracePeriodSeconds: &grace, Containers: []corev1.Container{{
-			Name: "app", Image: images.TestAppRef, ImagePullPolicy: corev1.PullNever, Args: []string{"--listen", ":8080"}}}},
-	}
-	if _, err := node.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+	if _, err := node.Client.CoreV1().Pods(ns).Create(ctx, testAppPod(ns, name), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	return waitReady(t, ctx, node, ns, name)
+}
+
+// waitReady waits for the pod's Ready condition and returns the pod.
+func waitReady(t *testing.T, ctx context.Context, node *cluster.Node, ns, name string) *corev1.Pod {
+	t.Helper()
 	var got *corev1.Pod
-	testkit.Eventually(t, 2*time.Minute, ns+"/"+name+" Running", func() bool {
+	testkit.Eventually(t, 2*time.Minute, ns+"/"+name+" Ready", func() bool {
 		p, err := node.Client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil || p.Status.Phase != corev1.PodRunning || p.Status.PodIP == "" {
+			return false
+		}
 		got = p
-		return err == nil && p.Status.Phase == corev1.PodRunning && p.Status.PodIP != ""
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue {
+				return true
+			}
+		}
+		return false
 	})
 	return got
 }

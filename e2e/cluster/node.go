@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -66,6 +67,9 @@ type Node struct {
 	// tablesBefore are the host's nf_tables tables before the node started;
 	// the kubelet adds its own (KUBE-FIREWALL, canaries), removed at Stop.
 	tablesBefore map[string]bool
+	// kubeletPorts are the kubelet's port and healthz port, kept for a
+	// restart.
+	kubeletPorts [2]int
 }
 
 // StartNode brings up a full node and waits until it is Ready with its
@@ -307,6 +311,7 @@ func (n *Node) Ctr(ctx context.Context, args ...string) error {
 }
 
 func (n *Node) startKubelet(port, healthzPort int) error {
+	n.kubeletPorts = [2]int{port, healthzPort}
 	if err := os.MkdirAll(n.KubeletDir, 0o750); err != nil {
 		return err
 	}
@@ -332,6 +337,20 @@ func (n *Node) startKubelet(port, healthzPort int) error {
 	}
 	n.procs = append(n.procs, kubelet)
 	return nil
+}
+
+// RestartKubelet stops the kubelet (SIGTERM, as systemd does on a restart)
+// and starts it again with the same configuration, as after a kubelet
+// upgrade: it forgets every device-plugin registration and removes the
+// sockets in the device-plugin dir; pods keep running.
+func (n *Node) RestartKubelet(ctx context.Context) error {
+	i := slices.IndexFunc(n.procs, func(p *process) bool { return p.name == "kubelet" })
+	if i < 0 {
+		return fmt.Errorf("cluster: no kubelet running")
+	}
+	n.procs[i].stop(15 * time.Second)
+	n.procs = slices.Delete(n.procs, i, i+1)
+	return n.startKubelet(n.kubeletPorts[0], n.kubeletPorts[1])
 }
 
 // hostDevicePluginDir is fixed in the kubelet, whatever its --root-dir.

@@ -1,0 +1,139 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/e2e/chart"
+	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
+	"github.com/inpod-dev/inpod/e2e/images"
+	"github.com/inpod-dev/inpod/internal/testkit"
+)
+
+// chartNode is the real node ready for inpod's chart: the product images
+// imported into its containerd, the namespaces mesh (enrolled by its label)
+// and plain. Its methods take the running (sub)test's t.
+type chartNode struct {
+	*cluster.Node
+	ctx     context.Context
+	repo    string
+	target  chart.Target
+	clients int
+}
+
+func newChartNode(ctx context.Context, t *testing.T, root string) *chartNode {
+	t.Helper()
+	repo := testkit.RepoDir(t)
+	node := clustertest.Node(ctx, t, cluster.NodeConfig{Config: cluster.Config{Root: root}, RepoDir: repo})
+	c := &chartNode{Node: node, ctx: ctx, repo: repo, target: chart.NodeTarget(node)}
+	if err := chart.PrepareHost(); err != nil {
+		t.Fatal(err)
+	}
+	imgDir := t.TempDir()
+	if _, err := images.Products(ctx, repo, images.DevTag, imgDir); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.target.ImportImages(ctx, filepath.Join(imgDir, "inpod-agent.tar"), filepath.Join(imgDir, "ztunnel-standin.tar"),
+		filepath.Join(imgDir, "inpod-controller.tar")); err != nil {
+		t.Fatal(err)
+	}
+	for name, labels := range map[string]map[string]string{"mesh": {enroll.DataplaneModeLabel: enroll.DataplaneAmbient}, "plain": nil} {
+		if _, err := node.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() { c.target.Helm(context.Background(), repo, "uninstall", chart.Release, "-n", chart.Namespace) })
+	return c
+}
+
+// install installs or upgrades the chart with the node's values plus extra.
+func (c *chartNode) install(t *testing.T, extra ...string) {
+	t.Helper()
+	if err := c.target.Install(c.ctx, c.repo, images.DevTag, extra...); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitRequestPolicy waits until the chart's resource-request policy acts
+// (an admission policy takes seconds to load after its creation): a
+// dry-run enrolled pod comes back with the request.
+func (c *chartNode) waitRequestPolicy(t *testing.T) {
+	t.Helper()
+	testkit.Eventually(t, time.Minute, "the chart's resource-request policy acting", func() bool {
+		p, err := c.Client.CoreV1().Pods("mesh").Create(c.ctx, testAppPod("mesh", "policy-probe"), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, has := p.Spec.Containers[0].Resources.Limits[gateResource]
+		return has
+	})
+}
+
+// standInUp starts the ztunnel stand-in DaemonSet; standInDown deletes it,
+// as a ztunnel uninstall or crash would take ztunnel away.
+func (c *chartNode) standInUp(t *testing.T) {
+	t.Helper()
+	if _, err := c.Client.AppsV1().DaemonSets(chart.Namespace).Create(c.ctx, chart.StandIn(images.DevTag, c.target.ZDSSocket()), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (c *chartNode) standInDown(t *testing.T) {
+	t.Helper()
+	fg := metav1.DeletePropagationForeground
+	if err := c.Client.AppsV1().DaemonSets(chart.Namespace).Delete(c.ctx, "ztunnel-standin", metav1.DeleteOptions{PropagationPolicy: &fg}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (c *chartNode) create(t *testing.T, p *corev1.Pod) {
+	t.Helper()
+	if _, err := c.Client.CoreV1().Pods(p.Namespace).Create(c.ctx, p, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// dial connects once to addr from a new pod in ns and returns the reply.
+func (c *chartNode) dial(t *testing.T, ns, addr string) string {
+	t.Helper()
+	c.clients++
+	return dialFrom(t, c.ctx, c.Node, ns, fmt.Sprintf("client-%d", c.clients), addr)
+}
+
+// inbound checks that a connection from a pod outside the mesh to the
+// enrolled pod p arrives at ztunnel's inbound listener in p.
+func (c *chartNode) inbound(t *testing.T, p *corev1.Pod) {
+	t.Helper()
+	reply := c.dial(t, "plain", p.Status.PodIP+":8080")
+	if want := "ztunnel-standin port=15006 orig=" + p.Status.PodIP + ":8080"; !strings.Contains(reply, want) {
+		t.Fatalf("a connection to enrolled %s got %q, want ztunnel's inbound listener (%s)", p.Name, reply, want)
+	}
+}
+
+// enrolled checks a running testapp pod from outside inpod: ztunnel's
+// listeners were bound in its netns before the app started, its netns has
+// the redirection rules, and the agent annotated it.
+func (c *chartNode) enrolled(t *testing.T, p *corev1.Pod) {
+	t.Helper()
+	if got := listenersAtStart(t, c.ctx, c.Node, p.Namespace, p.Name); got != allListeners {
+		t.Fatalf("enrolled %s started with ztunnel's listeners %s in its netns, want %s: it ran unredirected", p.Name, got, allListeners)
+	}
+	if !redirectsInKernel(t, p.Status.PodIP) {
+		t.Fatalf("enrolled %s has no redirection rules in its netns", p.Name)
+	}
+	testkit.Eventually(t, time.Minute, p.Name+" annotated enabled", func() bool {
+		got, err := c.Client.CoreV1().Pods(p.Namespace).Get(c.ctx, p.Name, metav1.GetOptions{})
+		return err == nil && got.Annotations[enroll.RedirectionAnnotation] == "enabled"
+	})
+}
