@@ -94,16 +94,26 @@ test-integration: deps ## TestIntegration* against a real etcd + kube-apiserver
 test-e2e: deps ## TestE2E* on a real single node (kubelet, containerd)
 	$(K8S_ENV) $(GO) test -p 1 -count=1 -timeout 30m -tags e2e -run '^TestE2E' $(call tagged_pkgs,e2e)
 
-# Benchmarks print medians, p99s and ratios against baselines measured in
-# the same run.
-bench: deps ## benchmarks with medians, p99s and baselines
-	$(GO) test -run '^$$' -bench . -benchtime 2000x ./zds/
-	$(GO) test -run '^$$' -bench . -benchtime 200x ./agent/redirect/
-	INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh) $(GO) test -run '^$$' -bench . -benchtime 100x ./plugin/
-	$(GO) test -run '^$$' -bench . -benchtime 200x ./deviceplugin/
-	$(K8S_ENV) $(GO) test -tags integration -run '^$$' -bench DRAGateFlip -benchtime 100x -timeout 10m ./dra/
-	$(K8S_ENV) $(GO) test -tags integration -run '^$$' -bench Enrollment -benchtime 1x -timeout 20m ./agent/
-	$(K8S_ENV) $(GO) test -tags integration -run '^$$' -bench TaintRemoval -benchtime 1x -timeout 10m ./taintcontroller/
+# Benchmarks print medians, p99s and ratios against floors measured in the
+# same run. Each benchmark also appends its figures to BENCH_FIGURES
+# (internal/benchreport), which the last step renders as one table:
+# printed, and written to BENCHMARKS.md (linked from the README).
+BENCH_FIGURES := $(BIN)/bench-figures.jsonl
+BENCH = INPOD_BENCH_REPORT=$(BENCH_FIGURES) $(GO) test -count=1 -run '^$$'
+bench: deps ## every benchmark; one report of every figure next to its floor, into BENCHMARKS.md
+	@mkdir -p $(BIN) && : > $(BENCH_FIGURES)
+	$(BENCH) -bench . -benchtime 2000x ./zds/
+	$(BENCH) -bench . -benchtime 200x ./agent/redirect/
+	INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh) $(BENCH) -bench . -benchtime 100x ./plugin/
+	$(BENCH) -bench . -benchtime 200x ./deviceplugin/
+	$(K8S_ENV) $(BENCH) -tags integration -bench DRAGateFlip -benchtime 100x -timeout 10m ./dra/
+	$(K8S_ENV) $(BENCH) -tags integration -bench Enrollment -benchtime 1x -timeout 20m ./agent/
+	$(K8S_ENV) $(BENCH) -tags integration -bench TaintRemoval -benchtime 1x -timeout 10m ./taintcontroller/
+# The headline goes here: pod start-up (create → Ready), enrolled pods
+# against pods outside the mesh on a real node, BenchmarkE2EPodStartup in
+# ./e2e (tag e2e, run under flock /tmp/inpod-e2e.lock); its figures use
+# benchreport.HeadlineSection, which the report puts first.
+	$(GO) run ./internal/benchreport/cmd/benchreport -in $(BENCH_FIGURES) -out $(CURDIR)/BENCHMARKS.md
 
 # Pinned Kubernetes and etcd binaries for the test node, cached outside the
 # repo (INPOD_CACHE_DIR, default /var/cache/inpod): ~17 min cold, seconds warm.

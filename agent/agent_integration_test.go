@@ -471,13 +471,14 @@ func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
 
 // agentProcess runs cmd/inpod-agent as its own process, so it can be killed.
 type agentProcess struct {
-	cmd    *exec.Cmd
-	health string
+	cmd     *exec.Cmd
+	health  string
+	metrics string
 }
 
 func (w *world) startAgentProcess(bin string) *agentProcess {
 	w.t.Helper()
-	health := freeAddr(w.t)
+	health, metrics := freeAddr(w.t), freeAddr(w.t)
 	c := w.cfg
 	cmd := exec.Command(bin,
 		"--node-name", c.NodeName, "--kubeconfig", c.Kubeconfig,
@@ -486,14 +487,17 @@ func (w *world) startAgentProcess(bin string) *agentProcess {
 		"--state-dir", c.StateDir, "--redirect-backend", c.RedirectBackend,
 		"--host-netns", c.HostNetNS, "--device-plugin-dir", c.DevicePlugin.PluginDir, "--devices", "4",
 		"--gate", c.Gate, "--dra-registrar-dir", c.DRA.RegistrarDir, "--dra-plugin-dir", c.DRA.PluginDir,
-		"--health-addr", health, "--metrics-addr", freeAddr(w.t), "--log-level", "debug")
+		"--health-addr", health, "--metrics-addr", metrics, "--log-level", "debug")
 	cmd.Stdout, cmd.Stderr = testWriter{w.t}, testWriter{w.t}
 	if err := cmd.Start(); err != nil {
 		w.t.Fatal(err)
 	}
-	p := &agentProcess{cmd: cmd, health: health}
+	p := &agentProcess{cmd: cmd, health: health, metrics: metrics}
 	w.t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	w.eventually("the agent process ready", func() bool {
+	// A minute, not w.eventually's 20 s: a restart with hundreds of
+	// running pods restores them all before it is ready (the enrollment
+	// benchmark times that).
+	testkit.Eventually(w.t, time.Minute, "the agent process ready", func() bool {
 		resp, err := http.Get("http://" + health + "/readyz")
 		if err != nil {
 			return false

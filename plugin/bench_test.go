@@ -8,16 +8,17 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"testing"
 	"time"
 
 	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/internal/benchreport"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/passlist"
 	"github.com/inpod-dev/inpod/plugin"
+	"github.com/inpod-dev/inpod/plugin/plugintest"
 )
 
 // startAgentProcess runs the agent's CNI event server in a process of its
@@ -73,11 +74,9 @@ func execPlugin(b *testing.B, node *os.File, bin, command, podNetns, containerID
 // fresh pod netns.
 func BenchmarkPassThroughAdd(b *testing.B) {
 	dir := pluginDir(b)
-	echo := filepath.Join(dir, "echo")
-	buildEcho := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", echo, "./testdata/echo")
-	buildEcho.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := buildEcho.CombinedOutput(); err != nil {
-		b.Fatalf("build echo: %v: %s", err, out)
+	echo, err := plugintest.BuildEcho(dir)
+	if err != nil {
+		b.Fatal(err)
 	}
 	// pluginDir builds the binaries as shipped (make build): static, stripped.
 	stripped := filepath.Join(dir, plugin.PluginType)
@@ -147,11 +146,7 @@ func BenchmarkPassThroughAdd(b *testing.B) {
 		}
 	}
 	b.StopTimer()
-	med := func(ds []time.Duration) float64 {
-		s := slices.Clone(ds)
-		slices.Sort(s)
-		return float64(s[len(s)/2].Microseconds()) / 1000
-	}
+	med := func(ds []time.Duration) float64 { return benchreport.Ms(benchreport.Percentile(ds, 50)) }
 	b.ReportMetric(float64(fi.Size())/(1<<20), "inpod-cni-MiB")
 	b.ReportMetric(float64(helper.Size())/(1<<20), "apicheck-MiB")
 	b.ReportMetric(med(echoT), "echo-floor-ms")
@@ -163,4 +158,22 @@ func BenchmarkPassThroughAdd(b *testing.B) {
 	b.ReportMetric(med(asksT)/med(echoT), "inpod-asks-agent/floor-ratio")
 	b.ReportMetric(med(excludedT)/med(echoT), "inpod-excluded/floor-ratio")
 	b.ReportMetric(med(listedT)/med(bridgeT), "inpod/bridge-ratio")
+
+	const section = "CNI plugin (static, stripped, as make build ships it)"
+	benchreport.Record(b, benchreport.Figure{Section: section, Name: "inpod-cni binary size", Value: float64(fi.Size()) / (1 << 20), Unit: "MiB", Target: "≤ 10 MiB"})
+	benchreport.Record(b, benchreport.Figure{Section: section, Name: "inpod-cni-apicheck binary size (exec'ed only while the agent is down)", Value: float64(helper.Size()) / (1 << 20), Unit: "MiB"})
+	floor := "exec of a plugin that only echoes prevResult"
+	for _, f := range []struct {
+		name string
+		ds   []time.Duration
+	}{
+		{"pass-through ADD, pod on the agent's pass list (median)", listedT},
+		{"pass-through ADD, plugin asks the agent (median)", asksT},
+		{"pass-through ADD, excluded namespace (median)", excludedT},
+	} {
+		benchreport.Record(b, benchreport.Figure{Section: section, Name: f.name, Value: med(f.ds), Unit: "ms",
+			FloorName: floor, Floor: med(echoT), Target: "≤ 1.5× floor"})
+	}
+	benchreport.Record(b, benchreport.Figure{Section: section, Name: "reference bridge plugin ADD into a fresh netns (median)", Value: med(bridgeT), Unit: "ms",
+		FloorName: floor, Floor: med(echoT)})
 }

@@ -16,9 +16,11 @@ import (
 	"io"
 	"math"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 // EnvFile names the file benchmarks append their figures to. Unset (a
@@ -140,6 +142,25 @@ func Render(w io.Writer, title, headline string, figures []Figure) error {
 	return err
 }
 
+// Percentile is the p-th percentile (0 to 100) of ds, the sample at index
+// (n-1)·p/100 of the sorted samples, as every benchmark here has computed
+// it: with 50 samples, p99 is the second largest. ds is not reordered; an
+// empty ds has no percentile and gives 0.
+func Percentile(ds []time.Duration, p int) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	return s[(len(s)-1)*p/100]
+}
+
+// Ms is d in milliseconds, the unit most figures are recorded in.
+func Ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// Us is d in microseconds.
+func Us(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }
+
 func ratio(f Figure) float64 {
 	if f.Floor == 0 {
 		return math.NaN()
@@ -168,3 +189,9 @@ func escape(s string) string { return strings.ReplaceAll(s, "|", `\|`) }
 // HeadlineSection is the report's first section: what a user of inpod
 // pays per pod.
 const HeadlineSection = "Pod start-up (create → Ready)"
+
+// SchedulerSeesSection gathers, across gate modes, how long a readiness
+// change takes to reach what the scheduler reads: the DRA gate's device
+// taint, the taint controller's Node taint. (The device-plugin gate's
+// window is the kubelet's node-status sync, up to 10 s, measured by e2e.)
+const SchedulerSeesSection = "Readiness change visible to the scheduler, per gate mode"

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestRecordAppendsAndRenderOrdersHeadlineFirst(t *testing.T) {
@@ -46,5 +47,32 @@ func TestReadRefusesATruncatedLine(t *testing.T) {
 	_, err := Read(strings.NewReader(`{"section":"a","name":"b","value":1}` + "\n" + `{"section":"a","na`))
 	if err == nil || !strings.Contains(err.Error(), "line 2") {
 		t.Fatalf("got %v, want an error naming line 2", err)
+	}
+}
+
+func TestPercentileIsTheNearestRankBelowAndLeavesItsInputAlone(t *testing.T) {
+	var ds []time.Duration
+	for i := 50; i >= 1; i-- {
+		ds = append(ds, time.Duration(i)*time.Millisecond)
+	}
+	for _, c := range []struct {
+		p    int
+		want time.Duration
+	}{{0, time.Millisecond}, {50, 25 * time.Millisecond}, {99, 49 * time.Millisecond}, {100, 50 * time.Millisecond}} {
+		if got := Percentile(ds, c.p); got != c.want {
+			t.Errorf("p%d of 1..50 ms = %s, want %s", c.p, got, c.want)
+		}
+	}
+	if ds[0] != 50*time.Millisecond {
+		t.Error("Percentile sorted its caller's slice")
+	}
+	if got := Percentile(nil, 50); got != 0 {
+		t.Errorf("p50 of nothing = %s, want 0", got)
+	}
+	if got := Ms(1500 * time.Microsecond); got != 1.5 {
+		t.Errorf("Ms(1.5ms) = %v", got)
+	}
+	if got := Us(1500 * time.Nanosecond); got != 1.5 {
+		t.Errorf("Us(1.5µs) = %v", got)
 	}
 }

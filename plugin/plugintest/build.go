@@ -29,3 +29,20 @@ func Build(dir string) error {
 	}
 	return nil
 }
+
+// EchoPackage is the exec floor of a chained CNI plugin: a Go program that
+// only reads its config and prints prevResult back.
+const EchoPackage = "github.com/inpod-dev/inpod/plugin/testdata/echo"
+
+// BuildEcho builds the echo plugin into dir, static and stripped like the
+// real plugin so that the two execs compare, and returns its path. The
+// plugin benchmark and the agent's burst-enrollment floor both exec it.
+func BuildEcho(dir string) (string, error) {
+	bin := filepath.Join(dir, "echo")
+	cmd := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", bin, EchoPackage)
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("build the echo plugin: %v: %s", err, out)
+	}
+	return bin, nil
+}
