@@ -144,6 +144,7 @@ func New(cfg Config) (*Check, error) {
 	if cfg.ProbePort < 1 || cfg.ProbePort > 65535 {
 		return nil, fmt.Errorf("waitready: probe port %d out of range", cfg.ProbePort)
 	}
+	ports := []uint16{uint16(cfg.ProbePort)}
 	for _, p := range cfg.Probes {
 		ap, err := netip.ParseAddrPort(p)
 		if err != nil {
@@ -152,6 +153,15 @@ func New(cfg Config) (*Check, error) {
 		if ap.Addr().IsLoopback() {
 			// Loopback is never redirected: a probe there proves nothing.
 			return nil, fmt.Errorf("waitready: probe %q is a loopback address; it must be outside the pod", p)
+		}
+		ports = append(ports, ap.Port())
+	}
+	for _, p := range ports {
+		// A probe of the pod's own address is not redirected (it leaves
+		// through lo) and lands on the port it names: on 15001 it would
+		// pass without any rule.
+		if p == PortOutbound || p == PortInbound || p == PortHBONE {
+			return nil, fmt.Errorf("waitready: probe port %d is one of ztunnel's; pick another", p)
 		}
 	}
 	return &Check{cfg: cfg}, nil

@@ -16,6 +16,9 @@ func TestFlags(t *testing.T) {
 		{[]string{"--probe=example.com:9"}, 2},
 		{[]string{"--probe-port=0"}, 2},
 		{[]string{"--probe-port=70000"}, 2},
+		// The pod's own address on 15001 would pass without any rule.
+		{[]string{"--probe-port=15001"}, 2},
+		{[]string{"--probe=10.0.0.5:15008"}, 2},
 		{[]string{"--timeout=-1s"}, 2},
 	} {
 		if got := run(c.args); got != c.want {
