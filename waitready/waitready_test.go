@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -27,6 +28,9 @@ import (
 // childEnv makes the test binary run the check instead of the tests (as the
 // unprivileged child): its value is the check's timeout.
 const childEnv = "INPOD_WAITREADY_TEST_CHILD"
+
+// probeEnv, when set, is the child's one probe address.
+const probeEnv = "INPOD_WAITREADY_TEST_PROBE"
 
 // nobody is the uid and gid the check runs as.
 const nobody = 65534
@@ -55,7 +59,11 @@ func child(timeout string) int {
 		fmt.Fprintln(os.Stderr, err)
 		return 3
 	}
-	c, err := waitready.New(waitready.Config{Timeout: d, DialTimeout: 500 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
+	var probes []string
+	if p := os.Getenv(probeEnv); p != "" {
+		probes = []string{p}
+	}
+	c, err := waitready.New(waitready.Config{Timeout: d, Probes: probes, DialTimeout: 500 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
 		Progress: func(msg string) { fmt.Fprintln(os.Stderr, "waiting:", msg) }})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -181,9 +189,9 @@ type result struct {
 // startCheck starts the check as uid nobody, with no capabilities, inside
 // the pod's netns: the process forks from a thread that is in it. wait
 // returns its result.
-func startCheck(t *testing.T, p *pod, timeout time.Duration) (wait func() result) {
+func startCheck(t *testing.T, p *pod, timeout time.Duration, env ...string) (wait func() result) {
 	t.Helper()
-	wait, _ = startCheckLive(t, p, timeout)
+	wait, _ = startCheckLive(t, p, timeout, env...)
 	return wait
 }
 
@@ -207,10 +215,10 @@ func (b *syncBuffer) String() string {
 
 // startCheckLive is startCheck that also gives the child's stderr as it
 // is written.
-func startCheckLive(t *testing.T, p *pod, timeout time.Duration) (wait func() result, stderr *syncBuffer) {
+func startCheckLive(t *testing.T, p *pod, timeout time.Duration, env ...string) (wait func() result, stderr *syncBuffer) {
 	t.Helper()
 	cmd := exec.Command(childBinary(t), "-test.run=^$")
-	cmd.Env = append(os.Environ(), childEnv+"="+timeout.String())
+	cmd.Env = append(append(os.Environ(), childEnv+"="+timeout.String()), env...)
 	var stdout bytes.Buffer
 	stderr = &syncBuffer{}
 	cmd.Stdout, cmd.Stderr = &stdout, stderr
@@ -332,4 +340,22 @@ func TestFailsWhenZtunnelIsGone(t *testing.T) {
 	if strings.Contains(res.stderr, "rules are missing") {
 		t.Errorf("blames the rules, which are there: %s", res.stderr)
 	}
+}
+
+// A probe of the pod's own address leaves through lo, unredirected, and
+// lands on the pod's own socket: the check must not take that for ztunnel.
+func TestProbeOfThePodsOwnAddressDoesNotPass(t *testing.T) {
+	p := newPod(t)
+	p.applyRules(t)
+	p.addToZtunnel(t)
+	var ln net.Listener
+	if err := netns.Do(p.ns, func() (err error) {
+		ln, err = net.Listen("tcp4", podIP4+":8080")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	expectFail(t, startCheck(t, p, time.Second, probeEnv+"="+podIP4+":8080")(),
+		"an outbound connection to "+podIP4+":8080 landed on port 8080 in this pod, not on ztunnel's 15001")
 }
