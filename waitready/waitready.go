@@ -95,7 +95,8 @@ const (
 
 // Config configures a Check. Zero values take the defaults.
 type Config struct {
-	// Timeout bounds the whole wait; Run fails once it has passed.
+	// Timeout bounds the whole wait; Run fails once it has passed (the
+	// attempt under way then finishes first: up to DialTimeout per probe).
 	Timeout time.Duration
 	// Probes are host:port addresses outside the pod the outbound check
 	// connects to. Empty: each default gateway of the netns (IPv4 and
