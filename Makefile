@@ -25,10 +25,11 @@ build: ## the binaries, into ./bin
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/ ./cmd/...
 
 # OCI image tarballs without Docker (e2e/images): inpod-agent (with the
-# iptables tools of this machine's Debian packages), inpod-controller and
-# ztunnel-standin (a test peer). Same commit, same digests. TAG names the version.
+# iptables tools of this machine's Debian packages), inpod-controller,
+# inpod-waitready (the init container) and ztunnel-standin (a test peer).
+# Same commit, same digests. TAG names the version.
 TAG ?= dev
-images: ## image tarballs inpod-agent, inpod-controller and ztunnel-standin into ./bin/images (no Docker)
+images: ## image tarballs inpod-agent, inpod-controller, inpod-waitready and ztunnel-standin into ./bin/images (no Docker)
 	@command -v xtables-nft-multi >/dev/null || hack/install-deps.sh
 	$(GO) run ./e2e/cmd/images --out $(BIN)/images --tag $(TAG)
 

@@ -30,6 +30,10 @@ func TestIntegrationChartAcceptedByAPIServer(t *testing.T) {
 		{"--set", "gates={deviceplugin,node-condition}", "--set", "redirection.dnsCapture=true",
 			"--set", "agent.apiServer.host=127.0.0.1", "--set", "agent.apiServer.port=6443",
 			"--set", "enrollment.excludedNamespaces={kube-system,monitoring}", "--set", "agent.extraArgs={--log-level=debug}"},
+		// The init-container gate, alone (the agent runs no gate) and
+		// next to another.
+		{"--set", "gates={initcontainer}", "--set", "initContainer.timeout=90s"},
+		{"--set", "gates={dra,initcontainer}"},
 		// inpod-controller, taint mode, in both modes with the node-taint
 		// policy (and its binding's node selector).
 		{"--set", "gates={node-condition}", "--set", "controller.enabled=true", "--set", "controller.nodeTaintPolicy.enabled=true"},
@@ -65,4 +69,9 @@ func TestIntegrationChartAcceptedByAPIServer(t *testing.T) {
 	objs := decode(t, data)
 	// The Namespace exists already; the rest in a dry run.
 	a.create(t, true, objs[1:]...)
+	data, err = os.ReadFile(filepath.Join(testkit.RepoDir(t), "deploy", "initcontainer", "policy.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.create(t, true, decode(t, data)...)
 }

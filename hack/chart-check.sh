@@ -8,13 +8,19 @@ helm="$repo/bin/helm"
 chart="$repo/deploy/helm/inpod"
 
 "$helm" lint --strict "$chart" >/dev/null
-for gates in deviceplugin dra node-condition none deviceplugin,node-condition dra,node-condition; do
+for gates in deviceplugin dra node-condition none deviceplugin,node-condition dra,node-condition initcontainer deviceplugin,initcontainer; do
   # Without a gate that advertises the resource, the request policy would
   # hold every enrolled pod Pending: it is rendered only with one.
   args=(--set "gates={$gates}")
   out=$("$helm" template inpod "$chart" -n inpod-system "${args[@]}")
-  want="--gate=$gates"
+  # initcontainer is the admission policy's, not the agent's.
+  agent=$(tr , '\n' <<<"$gates" | { grep -vx initcontainer || true; } | paste -sd,)
+  want="--gate=${agent:-none}"
   grep -qF -- "$want" <<<"$out" || { echo "gates=$gates: rendered args lack $want" >&2; exit 1; }
+  case $gates in
+    *initcontainer*) grep -q 'name: inpod-wait-ready$' <<<"$out" || { echo "gates=$gates: no init-container policy" >&2; exit 1; } ;;
+    *) if grep -q 'inpod-wait-ready' <<<"$out"; then echo "gates=$gates: init-container policy without gate initcontainer" >&2; exit 1; fi ;;
+  esac
   case $gates in
     *deviceplugin*|*dra*) grep -q 'name: inpod-redirection-request$' <<<"$out" || { echo "gates=$gates: no request policy" >&2; exit 1; } ;;
     *) if grep -q 'name: inpod-redirection-request$' <<<"$out"; then echo "gates=$gates: request policy without a gate that advertises the resource" >&2; exit 1; fi ;;
@@ -27,6 +33,21 @@ if "$helm" template inpod "$chart" -n inpod-system --set-json 'enrollment.exclud
   echo "excludedNamespaces=[] renders an empty NotIn" >&2; exit 1
 fi
 echo "chart: lint and template pass for every gate value"
+
+# The init container (gate initcontainer): first, locked down, only into
+# enrolled pods (the request policy's bindings), refusing rather than
+# skipping an enrolled pod it cannot handle.
+out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={initcontainer}' --set initContainer.timeout=90s \
+  --set-json 'enrollment.excludedNamespaces=["kube-system","ops"]' --show-only templates/admission-init-container.yaml)
+for want in 'failurePolicy: Fail' 'path: "/spec/initContainers/0"' 'path: "/spec/initContainers"' 'runAsNonRoot: true' 'runAsUser: 65532' \
+  'readOnlyRootFilesystem: true' 'allowPrivilegeEscalation: false' 'privileged: false' 'drop: ["ALL"]' 'type: "RuntimeDefault"' \
+  'args: ["--timeout=90s"]' "c.name == 'inpod-wait-ready'" 'name: not-host-network' 'name: not-inpod' \
+  'name: inpod-wait-ready-pod-label' 'name: inpod-wait-ready-namespace-label' 'values: ["kube-system","ops"]' \
+  'terminationMessagePolicy: "FallbackToLogsOnError"' 'image: "ghcr.io/inpod-dev/inpod-waitready:'; do
+  grep -qF -- "$want" <<<"$out" || { echo "init-container policy lacks $want" >&2; exit 1; }
+done
+if grep -q 'restartPolicy' <<<"$out"; then echo "the init container is a sidecar: it must complete before the app starts" >&2; exit 1; fi
+echo "chart: the init-container policy renders first, locked down, for enrolled pods only"
 
 # inpod-controller (taint mode): both modes, with the node-taint policy; the
 # controller's --taint and the policy's taint are one value.
@@ -97,6 +118,10 @@ refuse() { # want-in-message, helm args...
 }
 refuse "gates" --set 'gates={devicepugin}'
 refuse "gates" --set 'gates={none,deviceplugin}'
+refuse "gates" --set 'gates={none,initcontainer}'
+refuse "runAsUser" --set 'gates={initcontainer}' --set initContainer.runAsUser=0
+refuse "timeout" --set 'gates={initcontainer}' --set initContainer.timeout=2
+refuse "pullPolicy" --set initContainer.image.pullPolicy=Sometimes
 refuse "backend" --set redirection.backend=ebpf
 refuse "resourceName" --set resourceName=redirection
 refuse "resourceName" --set resourceName=kubernetes.io/redirection

@@ -104,6 +104,8 @@ type Spec struct {
 	Entrypoint []string
 	Env        []string
 	Labels     map[string]string
+	// User is the config's user (uid:gid); empty: root.
+	User string
 }
 
 // Write writes spec as an image tarball tagged spec.Ref to out and returns
@@ -142,6 +144,7 @@ func (spec Spec) image() (v1.Image, error) {
 	cf.Config.Entrypoint = spec.Entrypoint
 	cf.Config.Env = spec.Env
 	cf.Config.Labels = spec.Labels
+	cf.Config.User = spec.User
 	return mutate.ConfigFile(img, cf)
 }
 

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
@@ -20,6 +21,7 @@ import (
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/testkit"
+	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 )
 
@@ -63,7 +65,7 @@ func TestProductImagesAreReproducible(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, f := range []string{"inpod-agent.tar", "inpod-controller.tar", "ztunnel-standin.tar"} {
+	for _, f := range []string{"inpod-agent.tar", "inpod-controller.tar", "inpod-waitready.tar", "ztunnel-standin.tar"} {
 		if first[f] == "" || first[f] != second[f] {
 			t.Errorf("%s: digest %q, then %q from the same tree", f, first[f], second[f])
 		}
@@ -150,6 +152,64 @@ func TestAgentImageRunsIPTablesBackends(t *testing.T) {
 				t.Fatalf("rules left after Remove:\n%s", host)
 			}
 		})
+	}
+}
+
+// TestWaitReadyImageRunsUnprivileged runs the inpod-waitready image's
+// binary from the image's own root filesystem (chrooted, nothing of the
+// host but /proc), as the image's non-root user with no capabilities, in a
+// netns with loopback only: it reads its netns from procfs and fails,
+// naming what is missing, at its timeout. The image is the binary alone,
+// a few MiB.
+func TestWaitReadyImageRunsUnprivileged(t *testing.T) {
+	netnstest.RequireRoot(t)
+	dir, _ := built(t)
+	img, err := tarball.ImageFromPath(filepath.Join(dir, "inpod-waitready.tar"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cf, err := img.ConfigFile()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cf.Config.User != images.WaitReadyUser || len(cf.Config.Entrypoint) != 1 || cf.Config.Entrypoint[0] != images.WaitReadyBinary {
+		t.Fatalf("config: user %q entrypoint %v, want %s and %s", cf.Config.User, cf.Config.Entrypoint, images.WaitReadyUser, images.WaitReadyBinary)
+	}
+	root := t.TempDir()
+	if err := os.Chmod(root, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	extract(t, img, root)
+	bin, err := os.Stat(filepath.Join(root, images.WaitReadyBinary))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const maxSize = 5 << 20
+	if bin.Size() > maxSize {
+		t.Errorf("inpod-waitready is %d bytes, want at most %d: it is pulled for every enrolled pod", bin.Size(), maxSize)
+	}
+	proc := filepath.Join(root, "proc")
+	if err := os.MkdirAll(proc, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("/proc", proc, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(proc, unix.MNT_DETACH) })
+
+	ns := netnstest.New(t)
+	var out strings.Builder
+	cmd := exec.Command(images.WaitReadyBinary, "--timeout=300ms")
+	cmd.Path = images.WaitReadyBinary
+	cmd.Stdout, cmd.Stderr = &out, &out
+	cmd.SysProcAttr = &syscall.SysProcAttr{Chroot: root, Credential: &syscall.Credential{Uid: 65532, Gid: 65532}}
+	if err := netns.Do(ns.Open(t), cmd.Start); err != nil {
+		t.Fatal(err)
+	}
+	err = cmd.Wait()
+	if cmd.ProcessState.ExitCode() != 1 || !strings.Contains(out.String(), "listeners on port 15001, 15006, 15008 are not bound") ||
+		!strings.Contains(out.String(), "no default route") {
+		t.Fatalf("exit %v, output:\n%s\nwant exit 1 naming the missing listeners and default route", err, out.String())
 	}
 }
 

@@ -15,6 +15,7 @@ const (
 	AgentRepository      = "ghcr.io/inpod-dev/inpod-agent"
 	ControllerRepository = "ghcr.io/inpod-dev/inpod-controller"
 	StandInRepository    = "ghcr.io/inpod-dev/ztunnel-standin"
+	WaitReadyRepository  = "ghcr.io/inpod-dev/inpod-waitready"
 	DevTag               = "dev"
 )
 
@@ -23,6 +24,7 @@ const (
 const (
 	AgentBinary      = "/usr/local/bin/inpod-agent"
 	ControllerBinary = "/usr/local/bin/inpod-controller"
+	WaitReadyBinary  = "/usr/local/bin/inpod-waitready"
 	CNIDir           = "/opt/inpod/bin"
 )
 
@@ -123,6 +125,34 @@ func Controller(ctx context.Context, repoDir, tag string) (Spec, error) {
 	}, nil
 }
 
+// WaitReadyUser is the uid:gid the inpod-waitready image runs as: not root,
+// so a pod's runAsNonRoot holds even without a runAsUser of its own.
+const WaitReadyUser = "65532:65532"
+
+// WaitReady is the inpod-waitready image (chart gate value initcontainer):
+// the static check binary alone, a few MiB, as a non-root user. An image of
+// its own rather than a mode of the agent image: it runs in every enrolled
+// pod, so it carries nothing else (no iptables tools, no agent), and on a
+// node where inpod is not installed yet (the case it exists for) it is
+// pulled in a moment instead of the agent's larger image.
+func WaitReady(ctx context.Context, repoDir, tag string) (Spec, error) {
+	data, err := GoBinary(ctx, repoDir, "./cmd/inpod-waitready")
+	if err != nil {
+		return Spec{}, err
+	}
+	return Spec{
+		Ref:        WaitReadyRepository + ":" + tag,
+		Files:      []File{{Path: WaitReadyBinary, Mode: 0o755, Data: data}},
+		Entrypoint: []string{WaitReadyBinary},
+		User:       WaitReadyUser,
+		Labels: map[string]string{
+			"org.opencontainers.image.title":       "inpod-waitready",
+			"org.opencontainers.image.description": "inpod's init container: waits, unprivileged, until redirection to ztunnel is in place in the pod's network namespace",
+			"org.opencontainers.image.source":      "https://github.com/inpod-dev/inpod",
+		},
+	}, nil
+}
+
 // StandIn is the ztunnel-standin image: a test peer that plays ztunnel on
 // the ZDS socket for the demo and the e2e tests. It is not a proxy.
 func StandIn(ctx context.Context, repoDir, tag string) (Spec, error) {
@@ -158,7 +188,8 @@ func Products(ctx context.Context, repoDir, tag, outDir string) (map[string]stri
 	for _, b := range []struct {
 		file  string
 		build func(context.Context, string, string) (Spec, error)
-	}{{"inpod-agent.tar", Agent}, {"inpod-controller.tar", Controller}, {"ztunnel-standin.tar", StandIn}} {
+	}{{"inpod-agent.tar", Agent}, {"inpod-controller.tar", Controller},
+		{"inpod-waitready.tar", WaitReady}, {"ztunnel-standin.tar", StandIn}} {
 		spec, err := b.build(ctx, repoDir, tag)
 		if err != nil {
 			return nil, err

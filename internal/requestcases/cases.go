@@ -1,7 +1,8 @@
 // Package requestcases is the one table of cases for the automatic
 // resource request, shared by the tests of its two implementations: the
 // chart's MutatingAdmissionPolicy (deploy/) and inpod-controller's webhook
-// (requestwebhook/). Both must decide exactly as the agent enrolls
+// (requestwebhook/); the init-container policy's test uses it too
+// (Enrolled). Both must decide exactly as the agent enrolls
 // (agent/enroll Policy). Only tests import it.
 package requestcases
 
@@ -122,6 +123,24 @@ func Cases() []Case {
 				}}}
 		}), Unchanged},
 	}
+}
+
+// Enrolled says whether the enrollment rules enroll the case's pod, which
+// the init-container policy (gate initcontainer) follows: every pod that
+// gains or already requests the resource, and a pod left unchanged only
+// because a sidecar (init container) requests it already.
+func (c Case) Enrolled() bool {
+	if c.Want != Unchanged {
+		return true
+	}
+	for _, ic := range c.Pod.Spec.InitContainers {
+		_, r := ic.Resources.Requests[ResourceName]
+		_, l := ic.Resources.Limits[ResourceName]
+		if r || l {
+			return true
+		}
+	}
+	return false
 }
 
 // requests counts the containers requesting the resource, and says whether

@@ -1,7 +1,7 @@
 // Command images builds inpod's image tarballs without Docker (make
-// images): inpod-agent, inpod-controller and ztunnel-standin (a test
-// peer), written into --out and printed with their digests. Import them with
-// `ctr -n k8s.io images import` or `docker load`.
+// images): inpod-agent, inpod-controller, inpod-waitready and
+// ztunnel-standin (a test peer), written into --out and printed with their
+// digests. Import them with `ctr -n k8s.io images import` or `docker load`.
 package main
 
 import (

@@ -50,3 +50,106 @@ taint. As a dict for the binding's objectSelector. */}}
 {{- end }}
 {{- join "," $terms }}
 {{- end }}
+
+{{/* The enrollment rules an admission policy on pods shares with the
+agent, as CEL matchConditions: never hostNetwork pods, never inpod's own
+(part-of=inpod). The label and namespace rules are the bindings' selectors
+(inpod.enrollmentBindings): a MutatingAdmissionPolicy cannot read the
+namespace's labels in CEL. */}}
+{{- define "inpod.enrolledPodConditions" -}}
+- name: not-host-network
+  expression: '!has(object.spec.hostNetwork) || !object.spec.hostNetwork'
+- name: not-inpod
+  expression: >-
+    !has(object.metadata.labels) || !('app.kubernetes.io/part-of' in object.metadata.labels) ||
+    object.metadata.labels['app.kubernetes.io/part-of'] != 'inpod'
+{{- end }}
+
+{{/* The two bindings that apply a pod policy (list $ "policy-name") to the
+pods the enrollment rules enroll: one for pods labelled ambient, one for
+unlabelled pods in namespaces labelled ambient (the pod's own label decides
+when it says ambient or none); never the excluded namespaces. */}}
+{{- define "inpod.enrollmentBindings" -}}
+{{- $ := index . 0 }}
+{{- $policy := index . 1 }}
+{{- $label := $.Values.enrollment.label }}
+---
+apiVersion: admissionregistration.k8s.io/v1
+kind: MutatingAdmissionPolicyBinding
+metadata:
+  name: {{ $policy }}-pod-label
+  labels:
+    {{- include "inpod.labels" $ | nindent 4 }}
+spec:
+  policyName: {{ $policy }}
+  matchResources:
+    objectSelector:
+      matchLabels:
+        {{ $label }}: ambient
+    {{- with $.Values.enrollment.excludedNamespaces }}
+    namespaceSelector:
+      matchExpressions:
+        - {key: kubernetes.io/metadata.name, operator: NotIn, values: {{ toJson . }}}
+    {{- end }}
+---
+apiVersion: admissionregistration.k8s.io/v1
+kind: MutatingAdmissionPolicyBinding
+metadata:
+  name: {{ $policy }}-namespace-label
+  labels:
+    {{- include "inpod.labels" $ | nindent 4 }}
+spec:
+  policyName: {{ $policy }}
+  matchResources:
+    # The pod's own label decides when it says ambient or none.
+    objectSelector:
+      matchExpressions:
+        - {key: {{ $label }}, operator: NotIn, values: [ambient, none]}
+    namespaceSelector:
+      matchLabels:
+        {{ $label }}: ambient
+      {{- with $.Values.enrollment.excludedNamespaces }}
+      matchExpressions:
+        - {key: kubernetes.io/metadata.name, operator: NotIn, values: {{ toJson . }}}
+      {{- end }}
+{{- end }}
+
+{{- define "inpod.waitReadyImage" -}}
+{{ .Values.initContainer.image.repository }}:{{ .Values.initContainer.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/* A map of resource quantities as a CEL map literal of strings. */}}
+{{- define "inpod.celQuantities" -}}
+{{- $terms := list }}
+{{- range $k, $v := . }}
+{{- $terms = append $terms (printf "%q: %q" $k (toString $v)) }}
+{{- end }}
+{{- printf "{%s}" (join ", " $terms) }}
+{{- end }}
+
+{{/* inpod-wait-ready as a CEL object of the init-container policy's
+mutation. */}}
+{{- define "inpod.waitReadyContainer" -}}
+{{- $ic := .Values.initContainer -}}
+Object.spec.initContainers{
+  name: "inpod-wait-ready",
+  image: {{ include "inpod.waitReadyImage" . | quote }},
+  imagePullPolicy: {{ $ic.image.pullPolicy | quote }},
+  args: [{{ printf "--timeout=%s" $ic.timeout | quote }}],
+  terminationMessagePolicy: "FallbackToLogsOnError",
+  resources: Object.spec.initContainers.resources{
+    requests: {{ include "inpod.celQuantities" $ic.resources.requests }},
+    limits: {{ include "inpod.celQuantities" $ic.resources.limits }}
+  },
+  securityContext: Object.spec.initContainers.securityContext{
+    runAsNonRoot: true,
+    runAsUser: {{ int $ic.runAsUser }},
+    runAsGroup: {{ int $ic.runAsUser }},
+    readOnlyRootFilesystem: true,
+    allowPrivilegeEscalation: false,
+    privileged: false,
+    capabilities: Object.spec.initContainers.securityContext.capabilities{drop: ["ALL"]},
+    seccompProfile: Object.spec.initContainers.securityContext.seccompProfile{type: "RuntimeDefault"}
+  }
+}
+{{- end }}

@@ -1,0 +1,157 @@
+//go:build integration
+
+package deploy_test
+
+import (
+	"context"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/inpod-dev/inpod/internal/requestcases"
+	"github.com/inpod-dev/inpod/internal/testkit"
+)
+
+const waitReadyName = "inpod-wait-ready"
+
+// checkWaitReady says what is wrong with got's init containers, given the
+// pod as it was submitted (orig): enrolled, inpod-wait-ready comes first,
+// locked down, followed by the pod's own init containers in their order;
+// not enrolled, the init containers are the pod's own.
+func checkWaitReady(orig, got *corev1.Pod, enrolled bool) string {
+	var own []string
+	for _, c := range orig.Spec.InitContainers {
+		own = append(own, c.Name)
+	}
+	var have []string
+	for _, c := range got.Spec.InitContainers {
+		have = append(have, c.Name)
+	}
+	if !enrolled {
+		if !slices.Equal(have, own) {
+			return "not enrolled, but its init containers changed: " + names(have)
+		}
+		return ""
+	}
+	if !slices.Equal(have, append([]string{waitReadyName}, own...)) {
+		return "init containers " + names(have) + ", want " + names(append([]string{waitReadyName}, own...))
+	}
+	c := got.Spec.InitContainers[0]
+	sc := c.SecurityContext
+	switch {
+	case sc == nil:
+		return "no securityContext"
+	case sc.RunAsNonRoot == nil || !*sc.RunAsNonRoot, sc.RunAsUser == nil || *sc.RunAsUser == 0:
+		return "may run as root"
+	case sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem:
+		return "writable root filesystem"
+	case sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation, sc.Privileged == nil || *sc.Privileged:
+		return "privilege escalation or privileged allowed"
+	case sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) || len(sc.Capabilities.Add) > 0:
+		return "capabilities not all dropped"
+	case sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault:
+		return "seccomp profile not RuntimeDefault"
+	case c.RestartPolicy != nil:
+		return "a sidecar, not an init container that completes"
+	case c.Resources.Requests.Cpu().Cmp(resource.MustParse("10m")) != 0 || c.Resources.Limits.Memory().Cmp(resource.MustParse("32Mi")) != 0:
+		return "resources " + c.Resources.String()
+	case c.Image != "ghcr.io/inpod-dev/inpod-waitready:test" || !slices.Equal(c.Args, []string{"--timeout=2m"}):
+		return "image " + c.Image + " args " + names(c.Args)
+	case c.TerminationMessagePolicy != corev1.TerminationMessageFallbackToLogsOnError:
+		return "termination message not from its log"
+	}
+	return ""
+}
+
+func names(s []string) string { return "[" + strings.Join(s, ", ") + "]" }
+
+// TestIntegrationInitContainerPolicy creates the chart's admission policies
+// for gates deviceplugin and initcontainer on a real API server and admits
+// requestcases' pods (server-side dry run): every pod the enrollment rules
+// enroll gets inpod-wait-ready first among its init containers, locked down
+// (a namespace enforcing Pod Security "restricted" admits it), and keeps
+// its resource request; every excluded pod is left alone; a pod that has
+// the container already does not get a second.
+func TestIntegrationInitContainerPolicy(t *testing.T) {
+	a := startAPIServer(t)
+	a.create(t, false, kinds(render(t, "--set", "gates={deviceplugin,initcontainer}", "--set", "initContainer.image.tag=test"),
+		"MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding")...)
+	// The request policy decides as before next to it (this also creates
+	// the cases' namespaces).
+	a.checkRequestCases(t, "the request policy next to the init-container policy")
+
+	ctx := context.Background()
+	admit := func(p *corev1.Pod) *corev1.Pod {
+		t.Helper()
+		out, err := a.Client.CoreV1().Pods(p.Namespace).Create(ctx, p, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		if err != nil {
+			t.Fatalf("pod %s/%s refused: %v", p.Namespace, p.Name, err)
+		}
+		return out
+	}
+	probe := requestcases.Cases()[0]
+	testkit.Eventually(t, 30*time.Second, "the init-container policy to apply", func() bool {
+		return checkWaitReady(probe.Pod, admit(probe.Pod.DeepCopy()), true) == ""
+	})
+	for _, c := range requestcases.Cases() {
+		if msg := checkWaitReady(c.Pod, admit(c.Pod.DeepCopy()), c.Enrolled()); msg != "" {
+			t.Errorf("pod %s/%s (enrolled: %t): %s", c.Pod.Namespace, c.Pod.Name, c.Enrolled(), msg)
+		}
+	}
+
+	// Idempotent: a pod that already has it (created from an admitted
+	// pod's spec) keeps exactly one, first.
+	once := admit(probe.Pod.DeepCopy())
+	again := probe.Pod.DeepCopy()
+	again.Spec.InitContainers = once.Spec.InitContainers
+	if msg := checkWaitReady(probe.Pod, admit(again), true); msg != "" {
+		t.Errorf("admitted twice: %s", msg)
+	}
+
+	// Pod Security "restricted" (validated after mutation) admits the
+	// injected container next to a compliant application.
+	if _, err := a.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "strict", Labels: map[string]string{
+		requestcases.Label: "ambient", "pod-security.kubernetes.io/enforce": "restricted"}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	yes, no := true, false
+	strict := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "strict", Name: "app"}, Spec: corev1.PodSpec{Containers: []corev1.Container{{
+		Name: "app", Image: "app", SecurityContext: &corev1.SecurityContext{RunAsNonRoot: &yes, AllowPrivilegeEscalation: &no,
+			Capabilities:   &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}},
+			SeccompProfile: &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault}}}}}}
+	if msg := checkWaitReady(strict, admit(strict.DeepCopy()), true); msg != "" {
+		t.Errorf("restricted namespace: %s", msg)
+	}
+}
+
+// TestIntegrationInitContainerGateAlone: gate initcontainer alone renders
+// no resource request (no node advertises the resource) and runs the agent
+// with no gate of its own; enrolled pods still get the init container.
+func TestIntegrationInitContainerGateAlone(t *testing.T) {
+	objs := render(t, "--set", "gates={initcontainer}", "--set", "initContainer.image.tag=test")
+	var policies []string
+	for _, o := range kinds(objs, "MutatingAdmissionPolicy") {
+		policies = append(policies, o.GetName())
+	}
+	if !slices.Equal(policies, []string{waitReadyName}) {
+		t.Fatalf("policies %v, want only %s", policies, waitReadyName)
+	}
+	a := startAPIServer(t)
+	a.create(t, false, kinds(objs, "MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding")...)
+	ctx := context.Background()
+	for _, ns := range requestcases.Namespaces() {
+		if _, err := a.Client.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c := requestcases.Cases()[0]
+	testkit.Eventually(t, 30*time.Second, "the init-container policy to apply", func() bool {
+		out, err := a.Client.CoreV1().Pods(c.Pod.Namespace).Create(ctx, c.Pod.DeepCopy(), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		return err == nil && checkWaitReady(c.Pod, out, true) == "" && !requestcases.Requested(out)
+	})
+}
