@@ -42,16 +42,16 @@ func podNetns(t *testing.T, ip string) string {
 	return ""
 }
 
-// netnsRuleset is the full nf_tables ruleset of a netns with object
-// handles: a table deleted and written again gets new handles, so equal
-// output means nothing was rewritten.
+// netnsRuleset is the nf_tables ruleset of a netns with object handles and
+// without counters (-s): a table deleted and written again gets new
+// handles, so equal output means nothing was rewritten.
 func netnsRuleset(t *testing.T, netns string) string {
 	t.Helper()
-	out, err := exec.Command("ip", "netns", "exec", netns, "nft", "-a", "list", "ruleset").CombinedOutput()
+	out, err := exec.Command("ip", "netns", "exec", netns, "nft", "-a", "-s", "list", "ruleset").CombinedOutput()
 	if err != nil {
 		t.Fatalf("nft in %s: %v: %s", netns, err, out)
 	}
-	return string(out)
+	return strings.TrimSpace(string(out))
 }
 
 // redirectsInKernel reports whether the pod with ip has inpod's rules in
