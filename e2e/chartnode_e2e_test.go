@@ -11,6 +11,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
@@ -84,6 +85,10 @@ func (c *chartNode) waitRequestPolicy(t *testing.T) {
 // as a ztunnel uninstall or crash would take ztunnel away.
 func (c *chartNode) standInUp(t *testing.T) {
 	t.Helper()
+	testkit.Eventually(t, 2*time.Minute, "the previous stand-in DaemonSet gone", func() bool {
+		_, err := c.Client.AppsV1().DaemonSets(chart.Namespace).Get(c.ctx, "ztunnel-standin", metav1.GetOptions{})
+		return apierrors.IsNotFound(err)
+	})
 	if _, err := c.Client.AppsV1().DaemonSets(chart.Namespace).Create(c.ctx, chart.StandIn(images.DevTag, c.target.ZDSSocket()), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
