@@ -5,7 +5,6 @@ package e2e
 import (
 	"context"
 	"fmt"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -14,8 +13,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/inpod-dev/inpod/e2e/chart"
-	"github.com/inpod-dev/inpod/e2e/cluster"
-	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/nodecondition"
@@ -34,21 +31,8 @@ import (
 func TestE2EChartTaintMode(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
-	repo := testkit.RepoDir(t)
-	node := clustertest.Node(ctx, t, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-charttaint"}, RepoDir: repo})
-	client := node.Client
-	target := chart.NodeTarget(node)
-	if err := chart.PrepareHost(); err != nil {
-		t.Fatal(err)
-	}
-	imgDir := t.TempDir()
-	if _, err := images.Products(ctx, repo, images.DevTag, imgDir); err != nil {
-		t.Fatal(err)
-	}
-	if err := target.ImportImages(ctx, filepath.Join(imgDir, "inpod-agent.tar"), filepath.Join(imgDir, "inpod-controller.tar"),
-		filepath.Join(imgDir, "ztunnel-standin.tar")); err != nil {
-		t.Fatal(err)
-	}
+	c := newChartNode(ctx, t, "/var/lib/inpod-e2e-charttaint")
+	node, client := c.Node, c.Client
 
 	const key = taintcontroller.DefaultTaintKey
 	getNode := func() *corev1.Node {
@@ -66,13 +50,10 @@ func TestE2EChartTaintMode(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	if err := target.Install(ctx, repo, images.DevTag, "--set", "gates={node-condition}",
+	c.install(t, "--set", "gates={node-condition}",
 		"--set", "controller.enabled=true", "--set", "controller.nodeTaintPolicy.enabled=true",
 		"--set", "controller.image.repository="+images.ControllerRepository, "--set", "controller.image.tag="+images.DevTag,
-		"--set", "controller.image.pullPolicy=Never"); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { target.Helm(context.Background(), repo, "uninstall", chart.Release, "-n", chart.Namespace) })
+		"--set", "controller.image.pullPolicy=Never")
 
 	// The chart's policy taints a Node at CREATE (a new policy takes
 	// seconds to act: probe until it does).
@@ -140,9 +121,7 @@ func TestE2EChartTaintMode(t *testing.T) {
 		t.Fatal("taint removed while the agent reports False")
 	}
 
-	if _, err := client.AppsV1().DaemonSets(chart.Namespace).Create(ctx, chart.StandIn(images.DevTag, target.ZDSSocket()), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	c.standInUp(t)
 	testkit.Eventually(t, 2*time.Minute, "the agent pod Ready", func() bool { return agentReady(t, ctx, node) != "" })
 	readyAt := time.Now()
 	testkit.Eventually(t, time.Minute, "the startup taint removed by the controller's pod", func() bool { return !hasTaint(getNode(), key) })

@@ -46,7 +46,7 @@ func newChartNode(ctx context.Context, t *testing.T, root string) *chartNode {
 		t.Fatal(err)
 	}
 	if err := c.target.ImportImages(ctx, filepath.Join(imgDir, "inpod-agent.tar"), filepath.Join(imgDir, "ztunnel-standin.tar"),
-		filepath.Join(imgDir, "inpod-controller.tar")); err != nil {
+		filepath.Join(imgDir, "inpod-controller.tar"), filepath.Join(imgDir, "inpod-waitready.tar")); err != nil {
 		t.Fatal(err)
 	}
 	for name, labels := range map[string]map[string]string{"mesh": {enroll.DataplaneModeLabel: enroll.DataplaneAmbient}, "plain": nil} {

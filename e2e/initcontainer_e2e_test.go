@@ -4,7 +4,6 @@ package e2e
 
 import (
 	"context"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -14,9 +13,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
-	"github.com/inpod-dev/inpod/e2e/chart"
-	"github.com/inpod-dev/inpod/e2e/cluster"
-	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
@@ -33,45 +29,16 @@ import (
 func TestE2EInitContainerGate(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
-	repo := testkit.RepoDir(t)
-	node := clustertest.Node(ctx, t, cluster.NodeConfig{Config: cluster.Config{Root: "/var/lib/inpod-e2e-initc"}, RepoDir: repo})
-	client := node.Client
-	target := chart.NodeTarget(node)
-	if err := chart.PrepareHost(); err != nil {
-		t.Fatal(err)
-	}
-	imgDir := t.TempDir()
-	if _, err := images.Products(ctx, repo, images.DevTag, imgDir); err != nil {
-		t.Fatal(err)
-	}
-	if err := target.ImportImages(ctx, filepath.Join(imgDir, "inpod-agent.tar"), filepath.Join(imgDir, "inpod-waitready.tar"),
-		filepath.Join(imgDir, "ztunnel-standin.tar")); err != nil {
-		t.Fatal(err)
-	}
+	c := newChartNode(ctx, t, "/var/lib/inpod-e2e-initc")
+	node, client := c.Node, c.Client
 
 	const agentLabel = "e2e.inpod.dev/agent"
-	if err := target.Install(ctx, repo, images.DevTag, "--set", "gates={initcontainer}",
+	c.install(t, "--set", "gates={initcontainer}",
 		"--set", "initContainer.image.repository="+images.WaitReadyRepository, "--set", "initContainer.image.tag="+images.DevTag,
 		"--set", "initContainer.image.pullPolicy=Never", "--set", "initContainer.timeout=10s",
-		"--set-string", "agent.nodeSelector.e2e\\.inpod\\.dev/agent=true"); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { target.Helm(context.Background(), repo, "uninstall", chart.Release, "-n", chart.Namespace) })
-	if _, err := client.AppsV1().DaemonSets(chart.Namespace).Create(ctx, chart.StandIn(images.DevTag, target.ZDSSocket()), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	for name, labels := range map[string]map[string]string{"mesh": {enroll.DataplaneModeLabel: enroll.DataplaneAmbient}, "plain": nil} {
-		if _, err := client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-
-	grace := int64(1)
-	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "app"},
-		Spec: corev1.PodSpec{TerminationGracePeriodSeconds: &grace, Containers: []corev1.Container{{
-			Name: "app", Image: images.TestAppRef, ImagePullPolicy: corev1.PullNever, Args: []string{"--listen", ":8080"}}}},
-	}
+		"--set-string", "agent.nodeSelector.e2e\\.inpod\\.dev/agent=true")
+	c.standInUp(t)
+	pod := testAppPod("mesh", "app")
 	// A new policy takes seconds to act: dry runs until it does.
 	testkit.Eventually(t, time.Minute, "the init-container policy to apply", func() bool {
 		p, err := client.CoreV1().Pods("mesh").Create(ctx, pod.DeepCopy(), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
@@ -137,8 +104,6 @@ func TestE2EInitContainerGate(t *testing.T) {
 	if !strings.Contains(string(logs), "redirection in place") || !strings.Contains(string(logs), "delivered to its 15001") {
 		t.Errorf("the init container's last run did not prove redirection: %s", logs)
 	}
-	reply := dialFrom(t, ctx, node, "plain", "client", p.Status.PodIP+":8080")
-	if want := "ztunnel-standin port=15006 orig=" + p.Status.PodIP + ":8080"; !strings.Contains(reply, want) {
-		t.Fatalf("a connection to the app got %q, want ztunnel's inbound listener (%s)", reply, want)
-	}
+	c.enrolled(t, p)
+	c.inbound(t, p)
 }
