@@ -104,6 +104,7 @@ bench: deps ## benchmarks with medians, p99s and baselines
 	$(K8S_ENV) $(GO) test -tags integration -run '^$$' -bench DRAGateFlip -benchtime 100x -timeout 10m ./dra/
 	$(K8S_ENV) $(GO) test -tags integration -run '^$$' -bench Enrollment -benchtime 1x -timeout 20m ./agent/
 	$(K8S_ENV) $(GO) test -tags integration -run '^$$' -bench TaintRemoval -benchtime 1x -timeout 10m ./taintcontroller/
+	$(K8S_ENV) flock /tmp/inpod-e2e.lock $(GO) test -tags e2e -run '^$$' -bench E2EPodStartup -benchtime 1x -timeout 30m ./e2e/
 
 # Pinned Kubernetes and etcd binaries for the test node, cached outside the
 # repo (INPOD_CACHE_DIR, default /var/cache/inpod): ~17 min cold, seconds warm.
