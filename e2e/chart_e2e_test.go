@@ -153,7 +153,7 @@ func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 }
 
 // agentReady is the name of the Ready agent pod, or "".
-func agentReady(t *testing.T, ctx context.Context, node *cluster.Node) string {
+func agentReady(t testing.TB, ctx context.Context, node *cluster.Node) string {
 	t.Helper()
 	pods, err := node.Client.CoreV1().Pods(chart.Namespace).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=agent"})
 	if err != nil {

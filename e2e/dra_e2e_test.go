@@ -53,7 +53,7 @@ func applyDeviceClass(ctx context.Context, t *testing.T, client kubernetes.Inter
 
 // waitEvent watches until cond holds for an object and returns when the
 // event arrived.
-func waitEvent(ctx context.Context, t *testing.T, w watch.Interface, timeout time.Duration, what string, cond func(obj any) bool) time.Time {
+func waitEvent(ctx context.Context, t testing.TB, w watch.Interface, timeout time.Duration, what string, cond func(obj any) bool) time.Time {
 	t.Helper()
 	defer w.Stop()
 	deadline := time.After(timeout)
