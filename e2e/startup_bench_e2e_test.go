@@ -83,7 +83,7 @@ func BenchmarkE2EPodStartup(b *testing.B) {
 	if err := chart.PrepareHost(); err != nil {
 		b.Fatal(err)
 	}
-	for _, m := range []gateMode{deviceMode(), draMode(), taintMode()} {
+	for _, m := range []gateMode{deviceMode(), draMode(), taintMode(), initContainerMode()} {
 		b.Run(m.name, func(b *testing.B) { benchGateMode(ctx, b, repo, imgDir, m) })
 	}
 }
@@ -152,6 +152,21 @@ func taintMode() gateMode {
 	}
 }
 
+// initContainerMode guards enrolled pods in the pod itself, not at
+// scheduling: no gate for the scheduler to see, only the start-up cost of
+// the extra container.
+func initContainerMode() gateMode {
+	return gateMode{
+		name: "initcontainer",
+		values: func(*cluster.Node) []string {
+			return []string{"--set", "gates={initcontainer}",
+				"--set", "initContainer.image.repository=" + images.WaitReadyRepository, "--set", "initContainer.image.tag=" + images.DevTag,
+				"--set", "initContainer.image.pullPolicy=Never"}
+		},
+		startup: true,
+	}
+}
+
 func watchNode(ctx context.Context, c kubernetes.Interface, n *cluster.Node) (watch.Interface, error) {
 	return c.CoreV1().Nodes().Watch(ctx, metav1.ListOptions{FieldSelector: "metadata.name=" + n.Name})
 }
@@ -186,7 +201,7 @@ func benchGateMode(ctx context.Context, b *testing.B, repo, imgDir string, m gat
 	}
 	target := chart.NodeTarget(node)
 	if err := target.ImportImages(ctx, filepath.Join(imgDir, "inpod-agent.tar"), filepath.Join(imgDir, "inpod-controller.tar"),
-		filepath.Join(imgDir, "ztunnel-standin.tar")); err != nil {
+		filepath.Join(imgDir, "ztunnel-standin.tar"), filepath.Join(imgDir, "inpod-waitready.tar")); err != nil {
 		b.Fatal(err)
 	}
 	if err := target.Install(ctx, repo, images.DevTag, m.values(node)...); err != nil {
@@ -200,7 +215,9 @@ func benchGateMode(ctx context.Context, b *testing.B, repo, imgDir string, m gat
 	}
 	standIn()
 	testkit.Eventually(b, 3*time.Minute, "the agent pod Ready", func() bool { return agentReady(b, ctx, node) != "" })
-	waitGate(ctx, b, client, node, m, "open", m.open)
+	if m.open != nil {
+		waitGate(ctx, b, client, node, m, "open", m.open)
+	}
 	if m.name == "taint" {
 		// The controller's first leader takes a Lease: until then nobody
 		// would taint, and the first sample would time the election.
@@ -212,6 +229,9 @@ func benchGateMode(ctx context.Context, b *testing.B, repo, imgDir string, m gat
 
 	if m.startup {
 		benchStartup(ctx, b, client, node, m.name)
+	}
+	if m.open == nil {
+		return
 	}
 
 	// ztunnel gone: the DaemonSet is removed first (its pods orphaned, so
@@ -294,9 +314,18 @@ func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, nod
 	// policy's request, the agent's annotation; the plain ones neither.
 	for _, ns := range []string{"mesh", "plain"} {
 		startPods(ctx, b, c, ns, "warm", 1, false, func(p *corev1.Pod) {
-			q := p.Spec.Containers[0].Resources.Limits[gateResource]
-			if requested := q.Value() == 1; requested != (ns == "mesh") {
-				b.Fatalf("%s/%s: request %q: not what a %s pod gets", ns, p.Name, q.String(), ns)
+			// The guard the chart's policy gives enrolled pods: the
+			// resource request, or in initcontainer mode the init container.
+			if mode == "initcontainer" {
+				guarded := len(p.Spec.InitContainers) > 0 && p.Spec.InitContainers[0].Name == "inpod-wait-ready"
+				if guarded != (ns == "mesh") {
+					b.Fatalf("%s/%s: init containers %v: not what a %s pod gets", ns, p.Name, p.Spec.InitContainers, ns)
+				}
+			} else {
+				q := p.Spec.Containers[0].Resources.Limits[gateResource]
+				if requested := q.Value() == 1; requested != (ns == "mesh") {
+					b.Fatalf("%s/%s: request %q: not what a %s pod gets", ns, p.Name, q.String(), ns)
+				}
 			}
 			if ns != "mesh" {
 				return
