@@ -58,7 +58,9 @@ func checkWaitReady(orig, got *corev1.Pod, enrolled bool) string {
 		return "seccomp profile not RuntimeDefault"
 	case c.RestartPolicy != nil:
 		return "a sidecar, not an init container that completes"
-	case c.Resources.Requests.Cpu().Cmp(resource.MustParse("10m")) != 0 || c.Resources.Limits.Memory().Cmp(resource.MustParse("32Mi")) != 0:
+	case c.Resources.Requests.Cpu().Cmp(resource.MustParse("50m")) != 0 || c.Resources.Requests.Memory().Cmp(resource.MustParse("32Mi")) != 0,
+		c.Resources.Limits.Cpu().Cmp(*c.Resources.Requests.Cpu()) != 0 || c.Resources.Limits.Memory().Cmp(*c.Resources.Requests.Memory()) != 0:
+		// Requests == limits: a Guaranteed pod stays Guaranteed.
 		return "resources " + c.Resources.String()
 	case c.Image != "ghcr.io/inpod-dev/inpod-waitready:test" || !slices.Equal(c.Args, []string{"--timeout=2m"}):
 		return "image " + c.Image + " args " + names(c.Args)
@@ -111,6 +113,19 @@ func TestIntegrationInitContainerPolicy(t *testing.T) {
 	again.Spec.InitContainers = once.Spec.InitContainers
 	if msg := checkWaitReady(probe.Pod, admit(again), true); msg != "" {
 		t.Errorf("admitted twice: %s", msg)
+	}
+
+	// A Guaranteed pod (requests == limits in every container, init
+	// containers included) stays Guaranteed: the API server computes the
+	// class at creation, after the mutation.
+	guaranteed := probe.Pod.DeepCopy()
+	guaranteed.Name = "guaranteed"
+	for i := range guaranteed.Spec.Containers {
+		rl := corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("200m"), corev1.ResourceMemory: resource.MustParse("128Mi")}
+		guaranteed.Spec.Containers[i].Resources = corev1.ResourceRequirements{Requests: rl, Limits: rl}
+	}
+	if got := admit(guaranteed); got.Status.QOSClass != corev1.PodQOSGuaranteed {
+		t.Errorf("a Guaranteed pod became %s with %s: %v", got.Status.QOSClass, waitReadyName, got.Spec.InitContainers[0].Resources)
 	}
 
 	// Pod Security "restricted" (validated after mutation) admits the
