@@ -101,8 +101,8 @@ func TestIntegrationInitContainerPolicy(t *testing.T) {
 		return checkWaitReady(probe.Pod, admit(probe.Pod.DeepCopy()), true) == ""
 	})
 	for _, c := range requestcases.Cases() {
-		if msg := checkWaitReady(c.Pod, admit(c.Pod.DeepCopy()), c.Enrolled()); msg != "" {
-			t.Errorf("pod %s/%s (enrolled: %t): %s", c.Pod.Namespace, c.Pod.Name, c.Enrolled(), msg)
+		if msg := checkWaitReady(c.Pod, admit(c.Pod.DeepCopy()), c.Gated()); msg != "" {
+			t.Errorf("pod %s/%s (gated: %t): %s", c.Pod.Namespace, c.Pod.Name, c.Gated(), msg)
 		}
 	}
 

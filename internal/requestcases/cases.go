@@ -44,6 +44,14 @@ type Case struct {
 	Want Want
 }
 
+// AgentOnly: the agent enrolls the pod, but admission leaves it alone
+// (Want Unchanged, no init container): a mirror pod, whose API spec is not
+// what the kubelet runs.
+func (c Case) AgentOnly() bool { return c.Pod.Annotations[MirrorAnnotation] != "" }
+
+// MirrorAnnotation marks the API copy of a static pod (the kubelet's).
+const MirrorAnnotation = "kubernetes.io/config.mirror"
+
 // Namespaces the cases' pods are created in: mesh is labelled ambient,
 // plain is not. kube-system (excluded) must be labelled ambient too: call
 // LabelExcluded on it.
@@ -101,6 +109,13 @@ func Cases() []Case {
 		{pod(Excluded, "excluded-namespace-pod-label", ambient, nil), Unchanged},
 		{pod("mesh", "inpod-own", map[string]string{"app.kubernetes.io/part-of": "inpod"}, nil), Unchanged},
 		{pod("mesh", "inpod-own-labelled", map[string]string{"app.kubernetes.io/part-of": "inpod", Label: "ambient"}, nil), Unchanged},
+		// A static pod's mirror: the kubelet runs the static manifest, never
+		// this spec; a request would only skew the scheduler's accounting,
+		// and an init container would never run.
+		{pod("mesh", "mirror", ambient, func(p *corev1.Pod) {
+			p.Annotations = map[string]string{MirrorAnnotation: "0123456789abcdef"}
+			p.Spec.NodeName = "node-a"
+		}), Unchanged},
 
 		// Already requesting it (on another container, or only as a
 		// limit): left as it is.
@@ -125,12 +140,12 @@ func Cases() []Case {
 	}
 }
 
-// Enrolled says whether the enrollment rules enroll the case's pod, which
-// the init-container policy (gate initcontainer) follows: every pod that
+// Enrolled says whether the enrollment rules enroll the case's pod (the
+// agent's view; the init-container policy follows Gated): every pod that
 // gains or already requests the resource, and a pod left unchanged only
 // because a sidecar (init container) requests it already.
 func (c Case) Enrolled() bool {
-	if c.Want != Unchanged {
+	if c.Want != Unchanged || c.AgentOnly() {
 		return true
 	}
 	for _, ic := range c.Pod.Spec.InitContainers {
@@ -142,6 +157,10 @@ func (c Case) Enrolled() bool {
 	}
 	return false
 }
+
+// Gated says whether admission gives the pod inpod-wait-ready (gate
+// initcontainer): enrolled, and not AgentOnly.
+func (c Case) Gated() bool { return c.Enrolled() && !c.AgentOnly() }
 
 // requests counts the containers requesting the resource, and says whether
 // each that does asks for exactly 1 in requests and limits.

@@ -53,12 +53,18 @@ taint. As a dict for the binding's objectSelector. */}}
 
 {{/* The enrollment rules an admission policy on pods shares with the
 agent, as CEL matchConditions: never hostNetwork pods, never inpod's own
-(part-of=inpod). The label and namespace rules are the bindings' selectors
+(part-of=inpod). Never mirror pods either (the API copies of static pods):
+the kubelet runs the static manifest, not their spec, so a request would
+only skew the scheduler's accounting and an init container would never run
+(the agent still enrolls the static pod at its CNI ADD). The label and namespace rules are the bindings' selectors
 (inpod.enrollmentBindings): a MutatingAdmissionPolicy cannot read the
 namespace's labels in CEL. */}}
 {{- define "inpod.enrolledPodConditions" -}}
 - name: not-host-network
   expression: '!has(object.spec.hostNetwork) || !object.spec.hostNetwork'
+- name: not-mirror
+  expression: >-
+    !has(object.metadata.annotations) || !('kubernetes.io/config.mirror' in object.metadata.annotations)
 - name: not-inpod
   expression: >-
     !has(object.metadata.labels) || !('app.kubernetes.io/part-of' in object.metadata.labels) ||
