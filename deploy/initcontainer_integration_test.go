@@ -106,6 +106,11 @@ func TestIntegrationInitContainerPolicy(t *testing.T) {
 		}
 	}
 
+	// inpod's own pods, in the release namespace only, get neither.
+	if got := admit(requestcases.OwnPod()); checkWaitReady(requestcases.OwnPod(), got, false) != "" || requestcases.Requested(got) {
+		t.Errorf("inpod's own pod in %s was gated: %v", requestcases.Own, got.Spec)
+	}
+
 	// Idempotent: a pod that already has it (created from an admitted
 	// pod's spec) keeps exactly one, first.
 	once := admit(probe.Pod.DeepCopy())

@@ -26,14 +26,16 @@ const MirrorAnnotation = "kubernetes.io/config.mirror"
 type rules struct {
 	policy   enroll.Policy
 	resource corev1.ResourceName
+	// own is inpod's namespace, the only one where part-of=inpod exempts.
+	own string
 }
 
 // skip reports whether the pod never gets the request, whatever its
-// namespace: inpod's own, a mirror pod, already requesting it, or decided by its own
+// namespace: inpod's own (in its namespace), a mirror pod, already requesting it, or decided by its own
 // labels, host network or namespace name (enroll.Policy.ByPod). decided
 // false means its namespace's label decides.
 func (r rules) skip(pod *corev1.Pod) (skip, decided bool) {
-	if _, mirror := pod.Annotations[MirrorAnnotation]; mirror || len(pod.Spec.Containers) == 0 || pod.Labels[PartOfLabel] == PartOf || r.requesting(pod) {
+	if _, mirror := pod.Annotations[MirrorAnnotation]; mirror || len(pod.Spec.Containers) == 0 || (pod.Namespace == r.own && pod.Labels[PartOfLabel] == PartOf) || r.requesting(pod) {
 		return true, true
 	}
 	enrolled, decided := r.policy.ByPod(pod)

@@ -62,6 +62,17 @@ func Namespaces() []*corev1.Namespace {
 	}
 }
 
+// Own is inpod's namespace in the tests (the release namespace): only there
+// does app.kubernetes.io/part-of=inpod exempt a pod. Not among Namespaces:
+// the tests create it with the chart.
+const Own = "inpod-system"
+
+// OwnPod is an inpod pod in Own, labelled ambient: admission leaves it
+// alone (the exemption that lets inpod start before its own gate).
+func OwnPod() *corev1.Pod {
+	return pod(Own, "inpod-own", map[string]string{"app.kubernetes.io/part-of": "inpod", Label: "ambient"}, nil)
+}
+
 // Excluded is the excluded namespace of the cases (the chart's default).
 const Excluded = "kube-system"
 
@@ -107,8 +118,11 @@ func Cases() []Case {
 		{pod("mesh", "host-network-by-namespace", nil, func(p *corev1.Pod) { p.Spec.HostNetwork = true }), Unchanged},
 		{pod(Excluded, "excluded-namespace", nil, nil), Unchanged},
 		{pod(Excluded, "excluded-namespace-pod-label", ambient, nil), Unchanged},
-		{pod("mesh", "inpod-own", map[string]string{"app.kubernetes.io/part-of": "inpod"}, nil), Unchanged},
-		{pod("mesh", "inpod-own-labelled", map[string]string{"app.kubernetes.io/part-of": "inpod", Label: "ambient"}, nil), Unchanged},
+		// inpod's label outside inpod's namespace is a user's pod: the agent
+		// enrolls it, so it is gated like any other (inpod's own pods, in
+		// its namespace, are tested by each implementation).
+		{pod("mesh", "inpod-label-elsewhere", map[string]string{"app.kubernetes.io/part-of": "inpod"}, nil), Gains},
+		{pod("plain", "inpod-label-elsewhere-labelled", map[string]string{"app.kubernetes.io/part-of": "inpod", Label: "ambient"}, nil), Gains},
 		// A static pod's mirror: the kubelet runs the static manifest, never
 		// this spec; a request would only skew the scheduler's accounting,
 		// and an init container would never run.

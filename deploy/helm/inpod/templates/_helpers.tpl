@@ -53,7 +53,8 @@ taint. As a dict for the binding's objectSelector. */}}
 
 {{/* The enrollment rules an admission policy on pods shares with the
 agent, as CEL matchConditions: never hostNetwork pods, never inpod's own
-(part-of=inpod). Never mirror pods either (the API copies of static pods):
+(part-of=inpod in the release namespace: anywhere else the label is a
+user's, and the agent enrolls such a pod like any other). Never mirror pods either (the API copies of static pods):
 the kubelet runs the static manifest, not their spec, so a request would
 only skew the scheduler's accounting and an init container would never run
 (the agent still enrolls the static pod at its CNI ADD). The label and namespace rules are the bindings' selectors
@@ -67,6 +68,7 @@ namespace's labels in CEL. */}}
     !has(object.metadata.annotations) || !('kubernetes.io/config.mirror' in object.metadata.annotations)
 - name: not-inpod
   expression: >-
+    request.namespace != {{ .Release.Namespace | squote }} ||
     !has(object.metadata.labels) || !('app.kubernetes.io/part-of' in object.metadata.labels) ||
     object.metadata.labels['app.kubernetes.io/part-of'] != 'inpod'
 {{- end }}
