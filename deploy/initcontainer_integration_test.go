@@ -62,7 +62,7 @@ func checkWaitReady(orig, got *corev1.Pod, enrolled bool) string {
 		c.Resources.Limits.Cpu().Cmp(*c.Resources.Requests.Cpu()) != 0 || c.Resources.Limits.Memory().Cmp(*c.Resources.Requests.Memory()) != 0:
 		// Requests == limits: a Guaranteed pod stays Guaranteed.
 		return "resources " + c.Resources.String()
-	case c.Image != "ghcr.io/inpod-dev/inpod-waitready:test" || !slices.Equal(c.Args, []string{"--timeout=2m"}):
+	case c.Image != "ghcr.io/inpod-dev/inpod-waitready:test" || !slices.Equal(c.Args, []string{"--timeout=5m"}):
 		return "image " + c.Image + " args " + names(c.Args)
 	case c.TerminationMessagePolicy != corev1.TerminationMessageFallbackToLogsOnError:
 		return "termination message not from its log"

@@ -91,7 +91,7 @@ const (
 
 // Defaults of Config.
 const (
-	DefaultTimeout     = 2 * time.Minute
+	DefaultTimeout     = 5 * time.Minute
 	DefaultProbePort   = 9
 	DefaultDialTimeout = 2 * time.Second
 	DefaultMinBackoff  = 100 * time.Millisecond
