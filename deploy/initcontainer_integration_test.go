@@ -82,7 +82,7 @@ func names(s []string) string { return "[" + strings.Join(s, ", ") + "]" }
 func TestIntegrationInitContainerPolicy(t *testing.T) {
 	a := startAPIServer(t)
 	a.create(t, false, kinds(render(t, "--set", "gates={deviceplugin,initcontainer}", "--set", "initContainer.image.tag=test"),
-		"MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding")...)
+		"MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")...)
 	// The request policy decides as before next to it (this also creates
 	// the cases' namespaces).
 	a.checkRequestCases(t, "the request policy next to the init-container policy")
@@ -131,6 +131,22 @@ func TestIntegrationInitContainerPolicy(t *testing.T) {
 	}
 	if got := admit(guaranteed); got.Status.QOSClass != corev1.PodQOSGuaranteed {
 		t.Errorf("a Guaranteed pod became %s with %s: %v", got.Status.QOSClass, waitReadyName, got.Spec.InitContainers[0].Resources)
+	}
+
+	// A pod that brings its own inpod-wait-ready (which the mutation, by
+	// name, leaves alone) is refused unless it is the guard itself; a pod
+	// outside the mesh may name its containers as it likes.
+	fake := probe.Pod.DeepCopy()
+	fake.Name = "fake-guard"
+	fake.Spec.InitContainers = []corev1.Container{{Name: waitReadyName, Image: "busybox", Command: []string{"true"}}}
+	testkit.Eventually(t, 30*time.Second, "the genuine-guard policy to refuse a fake "+waitReadyName, func() bool {
+		_, err := a.Client.CoreV1().Pods(fake.Namespace).Create(ctx, fake.DeepCopy(), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		return err != nil && strings.Contains(err.Error(), "must be inpod's guard")
+	})
+	outside := fake.DeepCopy()
+	outside.Namespace, outside.Labels = "plain", nil
+	if got := admit(outside); len(got.Spec.InitContainers) != 1 || got.Spec.InitContainers[0].Image != "busybox" {
+		t.Errorf("a pod outside the mesh with its own %s: %v", waitReadyName, got.Spec.InitContainers)
 	}
 
 	// Pod Security "restricted" (validated after mutation) admits the

@@ -18,7 +18,8 @@ for gates in deviceplugin dra node-condition none deviceplugin,node-condition dr
   want="--gate=${agent:-none}"
   grep -qF -- "$want" <<<"$out" || { echo "gates=$gates: rendered args lack $want" >&2; exit 1; }
   case $gates in
-    *initcontainer*) grep -q 'name: inpod-wait-ready$' <<<"$out" || { echo "gates=$gates: no init-container policy" >&2; exit 1; } ;;
+    *initcontainer*) grep -q 'name: inpod-wait-ready$' <<<"$out" || { echo "gates=$gates: no init-container policy" >&2; exit 1; }
+      grep -q 'name: inpod-wait-ready-genuine$' <<<"$out" || { echo "gates=$gates: no policy refusing a pod's own inpod-wait-ready" >&2; exit 1; } ;;
     *) if grep -q 'inpod-wait-ready' <<<"$out"; then echo "gates=$gates: init-container policy without gate initcontainer" >&2; exit 1; fi ;;
   esac
   case $gates in
@@ -46,7 +47,7 @@ for want in 'failurePolicy: Fail' 'path: "/spec/initContainers/0"' 'path: "/spec
   'terminationMessagePolicy: "FallbackToLogsOnError"' 'image: "ghcr.io/inpod-dev/inpod-waitready:'; do
   grep -qF -- "$want" <<<"$out" || { echo "init-container policy lacks $want" >&2; exit 1; }
 done
-if grep -q 'restartPolicy' <<<"$out"; then echo "the init container is a sidecar: it must complete before the app starts" >&2; exit 1; fi
+if grep -q 'restartPolicy:' <<<"$out"; then echo "the init container is a sidecar: it must complete before the app starts" >&2; exit 1; fi
 echo "chart: the init-container policy renders first, locked down, for enrolled pods only"
 
 # inpod-controller (taint mode): both modes, with the node-taint policy; the

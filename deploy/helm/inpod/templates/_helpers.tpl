@@ -80,16 +80,23 @@ when it says ambient or none); never the excluded namespaces. */}}
 {{- define "inpod.enrollmentBindings" -}}
 {{- $ := index . 0 }}
 {{- $policy := index . 1 }}
+{{- /* Optional third element: "Validating" for a ValidatingAdmissionPolicy
+(its bindings deny). */}}
+{{- $kind := "Mutating" }}
+{{- if eq (len .) 3 }}{{ $kind = index . 2 }}{{ end }}
 {{- $label := $.Values.enrollment.label }}
 ---
 apiVersion: admissionregistration.k8s.io/v1
-kind: MutatingAdmissionPolicyBinding
+kind: {{ $kind }}AdmissionPolicyBinding
 metadata:
   name: {{ $policy }}-pod-label
   labels:
     {{- include "inpod.labels" $ | nindent 4 }}
 spec:
   policyName: {{ $policy }}
+  {{- if eq $kind "Validating" }}
+  validationActions: [Deny]
+  {{- end }}
   matchResources:
     objectSelector:
       matchLabels:
@@ -101,13 +108,16 @@ spec:
     {{- end }}
 ---
 apiVersion: admissionregistration.k8s.io/v1
-kind: MutatingAdmissionPolicyBinding
+kind: {{ $kind }}AdmissionPolicyBinding
 metadata:
   name: {{ $policy }}-namespace-label
   labels:
     {{- include "inpod.labels" $ | nindent 4 }}
 spec:
   policyName: {{ $policy }}
+  {{- if eq $kind "Validating" }}
+  validationActions: [Deny]
+  {{- end }}
   matchResources:
     # The pod's own label decides when it says ambient or none.
     objectSelector:
