@@ -58,9 +58,11 @@ func checkWaitReady(orig, got *corev1.Pod, enrolled bool) string {
 		return "seccomp profile not RuntimeDefault"
 	case c.RestartPolicy != nil:
 		return "a sidecar, not an init container that completes"
-	case c.Resources.Requests.Cpu().Cmp(resource.MustParse("10m")) != 0 || c.Resources.Limits.Memory().Cmp(resource.MustParse("32Mi")) != 0:
+	case c.Resources.Requests.Cpu().Cmp(resource.MustParse("50m")) != 0 || c.Resources.Requests.Memory().Cmp(resource.MustParse("32Mi")) != 0,
+		c.Resources.Limits.Cpu().Cmp(*c.Resources.Requests.Cpu()) != 0 || c.Resources.Limits.Memory().Cmp(*c.Resources.Requests.Memory()) != 0:
+		// Requests == limits: a Guaranteed pod stays Guaranteed.
 		return "resources " + c.Resources.String()
-	case c.Image != "ghcr.io/inpod-dev/inpod-waitready:test" || !slices.Equal(c.Args, []string{"--timeout=2m"}):
+	case c.Image != "ghcr.io/inpod-dev/inpod-waitready:test" || !slices.Equal(c.Args, []string{"--timeout=5m"}):
 		return "image " + c.Image + " args " + names(c.Args)
 	case c.TerminationMessagePolicy != corev1.TerminationMessageFallbackToLogsOnError:
 		return "termination message not from its log"
@@ -80,7 +82,7 @@ func names(s []string) string { return "[" + strings.Join(s, ", ") + "]" }
 func TestIntegrationInitContainerPolicy(t *testing.T) {
 	a := startAPIServer(t)
 	a.create(t, false, kinds(render(t, "--set", "gates={deviceplugin,initcontainer}", "--set", "initContainer.image.tag=test"),
-		"MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding")...)
+		"MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")...)
 	// The request policy decides as before next to it (this also creates
 	// the cases' namespaces).
 	a.checkRequestCases(t, "the request policy next to the init-container policy")
@@ -99,9 +101,14 @@ func TestIntegrationInitContainerPolicy(t *testing.T) {
 		return checkWaitReady(probe.Pod, admit(probe.Pod.DeepCopy()), true) == ""
 	})
 	for _, c := range requestcases.Cases() {
-		if msg := checkWaitReady(c.Pod, admit(c.Pod.DeepCopy()), c.Enrolled()); msg != "" {
-			t.Errorf("pod %s/%s (enrolled: %t): %s", c.Pod.Namespace, c.Pod.Name, c.Enrolled(), msg)
+		if msg := checkWaitReady(c.Pod, admit(c.Pod.DeepCopy()), c.Gated()); msg != "" {
+			t.Errorf("pod %s/%s (gated: %t): %s", c.Pod.Namespace, c.Pod.Name, c.Gated(), msg)
 		}
+	}
+
+	// inpod's own pods, in the release namespace only, get neither.
+	if got := admit(requestcases.OwnPod()); checkWaitReady(requestcases.OwnPod(), got, false) != "" || requestcases.Requested(got) {
+		t.Errorf("inpod's own pod in %s was gated: %v", requestcases.Own, got.Spec)
 	}
 
 	// Idempotent: a pod that already has it (created from an admitted
@@ -111,6 +118,35 @@ func TestIntegrationInitContainerPolicy(t *testing.T) {
 	again.Spec.InitContainers = once.Spec.InitContainers
 	if msg := checkWaitReady(probe.Pod, admit(again), true); msg != "" {
 		t.Errorf("admitted twice: %s", msg)
+	}
+
+	// A Guaranteed pod (requests == limits in every container, init
+	// containers included) stays Guaranteed: the API server computes the
+	// class at creation, after the mutation.
+	guaranteed := probe.Pod.DeepCopy()
+	guaranteed.Name = "guaranteed"
+	for i := range guaranteed.Spec.Containers {
+		rl := corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("200m"), corev1.ResourceMemory: resource.MustParse("128Mi")}
+		guaranteed.Spec.Containers[i].Resources = corev1.ResourceRequirements{Requests: rl, Limits: rl}
+	}
+	if got := admit(guaranteed); got.Status.QOSClass != corev1.PodQOSGuaranteed {
+		t.Errorf("a Guaranteed pod became %s with %s: %v", got.Status.QOSClass, waitReadyName, got.Spec.InitContainers[0].Resources)
+	}
+
+	// A pod that brings its own inpod-wait-ready (which the mutation, by
+	// name, leaves alone) is refused unless it is the guard itself; a pod
+	// outside the mesh may name its containers as it likes.
+	fake := probe.Pod.DeepCopy()
+	fake.Name = "fake-guard"
+	fake.Spec.InitContainers = []corev1.Container{{Name: waitReadyName, Image: "busybox", Command: []string{"true"}}}
+	testkit.Eventually(t, 30*time.Second, "the genuine-guard policy to refuse a fake "+waitReadyName, func() bool {
+		_, err := a.Client.CoreV1().Pods(fake.Namespace).Create(ctx, fake.DeepCopy(), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		return err != nil && strings.Contains(err.Error(), "must be inpod's guard")
+	})
+	outside := fake.DeepCopy()
+	outside.Namespace, outside.Labels = "plain", nil
+	if got := admit(outside); len(got.Spec.InitContainers) != 1 || got.Spec.InitContainers[0].Image != "busybox" {
+		t.Errorf("a pod outside the mesh with its own %s: %v", waitReadyName, got.Spec.InitContainers)
 	}
 
 	// Pod Security "restricted" (validated after mutation) admits the

@@ -71,6 +71,7 @@ func TestIntegrationResourceRequestWebhook(t *testing.T) {
 		Client:       client,
 		Policy:       enroll.Policy{ExcludedNamespaces: []string{requestcases.Excluded}, Label: requestcases.Label},
 		ResourceName: requestcases.ResourceName,
+		OwnNamespace: requestcases.Own,
 		CertDir:      certDir,
 	})
 	if err != nil {

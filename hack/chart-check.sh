@@ -18,7 +18,8 @@ for gates in deviceplugin dra node-condition none deviceplugin,node-condition dr
   want="--gate=${agent:-none}"
   grep -qF -- "$want" <<<"$out" || { echo "gates=$gates: rendered args lack $want" >&2; exit 1; }
   case $gates in
-    *initcontainer*) grep -q 'name: inpod-wait-ready$' <<<"$out" || { echo "gates=$gates: no init-container policy" >&2; exit 1; } ;;
+    *initcontainer*) grep -q 'name: inpod-wait-ready$' <<<"$out" || { echo "gates=$gates: no init-container policy" >&2; exit 1; }
+      grep -q 'name: inpod-wait-ready-genuine$' <<<"$out" || { echo "gates=$gates: no policy refusing a pod's own inpod-wait-ready" >&2; exit 1; } ;;
     *) if grep -q 'inpod-wait-ready' <<<"$out"; then echo "gates=$gates: init-container policy without gate initcontainer" >&2; exit 1; fi ;;
   esac
   case $gates in
@@ -46,7 +47,7 @@ for want in 'failurePolicy: Fail' 'path: "/spec/initContainers/0"' 'path: "/spec
   'terminationMessagePolicy: "FallbackToLogsOnError"' 'image: "ghcr.io/inpod-dev/inpod-waitready:'; do
   grep -qF -- "$want" <<<"$out" || { echo "init-container policy lacks $want" >&2; exit 1; }
 done
-if grep -q 'restartPolicy' <<<"$out"; then echo "the init container is a sidecar: it must complete before the app starts" >&2; exit 1; fi
+if grep -q 'restartPolicy:' <<<"$out"; then echo "the init container is a sidecar: it must complete before the app starts" >&2; exit 1; fi
 echo "chart: the init-container policy renders first, locked down, for enrolled pods only"
 
 # inpod-controller (taint mode): both modes, with the node-taint policy; the
@@ -74,18 +75,31 @@ if grep -q 'objectSelector: {}' <<<"$binding"; then echo "node-taint policy bind
 # it after the controller), allowed to delete that one binding only; never
 # without the policy.
 hook=$(sed -n '/name: inpod-uninstall-hook/,$p' <<<"$out")
-for want in '--node-taint-binding=inpod-node-startup-taint' 'kind: ClusterRole' 'resources: [mutatingadmissionpolicybindings]' 'resourceNames: [inpod-node-startup-taint]'; do
+for want in '--binding=inpod-node-startup-taint' 'kind: ClusterRole' 'resources: [mutatingadmissionpolicybindings]' 'resourceNames: ["inpod-node-startup-taint"]'; do
   grep -qF -- "$want" <<<"$hook" || { echo "uninstall hook with the node-taint policy lacks $want" >&2; exit 1; }
 done
 out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}' --set controller.enabled=true)
-if grep -q 'node-taint-binding\|kind: ClusterRoleBinding' <<<"$(sed -n '/name: inpod-uninstall-hook/,$p' <<<"$out")"; then
+if grep -q -- '--binding\|kind: ClusterRoleBinding' <<<"$(sed -n '/name: inpod-uninstall-hook/,$p' <<<"$out")"; then
   echo "uninstall hook deletes a node-taint binding the chart does not render" >&2; exit 1
 fi
 out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}')
 if grep -q 'inpod-controller\|inpod-node-startup-taint' <<<"$out"; then
   echo "controller.enabled=false still renders inpod-controller objects" >&2; exit 1
 fi
-echo "chart: inpod-controller renders in both modes with the node-taint policy"
+# Gate initcontainer: the hook deletes every binding of the init-container
+# policy first (a pod created while the agents leave would wait for good),
+# by the names the chart renders, allowed those names only.
+out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={deviceplugin,initcontainer}')
+names=$(awk '/^kind: MutatingAdmissionPolicyBinding/{b=1} b&&/^  name: /{print $2; b=0}' <<<"$out" | grep '^inpod-wait-ready' || true)
+[[ $(wc -l <<<"$names") == 2 ]] || { echo "gate initcontainer: want two inpod-wait-ready bindings, got: $names" >&2; exit 1; }
+hook=$(sed -n '/name: inpod-uninstall-hook/,$p' <<<"$out")
+rn=$(grep -A1 'resources: \[mutatingadmissionpolicybindings\]' <<<"$hook" | grep resourceNames || true)
+for n in $names; do
+  grep -qF -- "--binding=$n" <<<"$hook" || { echo "uninstall hook does not delete the init-container binding $n first" >&2; exit 1; }
+  grep -qF "\"$n\"" <<<"$rn" || { echo "uninstall hook may not delete the init-container binding $n: $rn" >&2; exit 1; }
+done
+[[ $(grep -o '"[^"]*"' <<<"$rn" | wc -l) == 2 ]] || { echo "uninstall hook may delete more bindings than the init-container ones: $rn" >&2; exit 1; }
+echo "chart: inpod-controller renders in both modes with the node-taint policy; the uninstall hook deletes the node-taint and init-container bindings first"
 # Automatic resource requests by inpod-controller's webhook: a caBundle of
 # one's own, or cert-manager's Certificate and cainjector; never both modes.
 wh=(--set enrollment.autoRequest.mode=webhook --set controller.enabled=true)

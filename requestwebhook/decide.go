@@ -17,18 +17,25 @@ const (
 	PartOf      = "inpod"
 )
 
+// MirrorAnnotation marks a static pod's mirror: the kubelet runs the static
+// manifest, not the mirror's spec, so a request there would only skew the
+// scheduler's accounting.
+const MirrorAnnotation = "kubernetes.io/config.mirror"
+
 // rules is the decision, apart from how the namespace is found.
 type rules struct {
 	policy   enroll.Policy
 	resource corev1.ResourceName
+	// own is inpod's namespace, the only one where part-of=inpod exempts.
+	own string
 }
 
 // skip reports whether the pod never gets the request, whatever its
-// namespace: inpod's own, already requesting it, or decided by its own
+// namespace: inpod's own (in its namespace), a mirror pod, already requesting it, or decided by its own
 // labels, host network or namespace name (enroll.Policy.ByPod). decided
 // false means its namespace's label decides.
 func (r rules) skip(pod *corev1.Pod) (skip, decided bool) {
-	if len(pod.Spec.Containers) == 0 || pod.Labels[PartOfLabel] == PartOf || r.requesting(pod) {
+	if _, mirror := pod.Annotations[MirrorAnnotation]; mirror || len(pod.Spec.Containers) == 0 || (pod.Namespace == r.own && pod.Labels[PartOfLabel] == PartOf) || r.requesting(pod) {
 		return true, true
 	}
 	enrolled, decided := r.policy.ByPod(pod)

@@ -46,6 +46,10 @@ type Config struct {
 	Policy enroll.Policy
 	// ResourceName is the extended resource requested.
 	ResourceName corev1.ResourceName
+	// OwnNamespace is inpod's namespace (the chart's release namespace):
+	// only there does the label part-of=inpod exempt a pod; elsewhere it is
+	// a user's pod, which the agent enrolls like any other.
+	OwnNamespace string
 	// Addr is the HTTPS listen address, e.g. ":9443".
 	Addr string
 	// CertDir holds tls.crt and tls.key, read again when they change.
@@ -78,7 +82,7 @@ func New(cfg Config) (*Webhook, error) {
 	inf := f.Core().V1().Namespaces()
 	w := &Webhook{
 		cfg:        cfg,
-		rules:      rules{policy: cfg.Policy, resource: cfg.ResourceName},
+		rules:      rules{policy: cfg.Policy, resource: cfg.ResourceName, own: cfg.OwnNamespace},
 		log:        cfg.Logger.With("component", "requestwebhook"),
 		factory:    f,
 		namespaces: inf.Lister(),

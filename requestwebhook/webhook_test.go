@@ -43,6 +43,7 @@ func newWebhook(t *testing.T, certDir string) *requestwebhook.Webhook {
 		Client:       fake.NewClientset(objs...),
 		Policy:       enroll.Policy{ExcludedNamespaces: []string{requestcases.Excluded}, Label: requestcases.Label},
 		ResourceName: requestcases.ResourceName,
+		OwnNamespace: requestcases.Own,
 		CertDir:      certDir,
 	})
 	if err != nil {
@@ -153,6 +154,10 @@ func TestDecisionTable(t *testing.T) {
 		if c.Want != requestcases.Gains && resp.Patch != nil {
 			t.Errorf("pod %s/%s (want %s): a patch: %s", c.Pod.Namespace, c.Pod.Name, c.Want, resp.Patch)
 		}
+	}
+	// inpod's own pods, in its namespace only, never get it.
+	if got, resp := admit(t, w, requestcases.OwnPod()); requestcases.Requested(got) || resp.Patch != nil {
+		t.Errorf("inpod's own pod in %s gained the request: %s", requestcases.Own, resp.Patch)
 	}
 }
 

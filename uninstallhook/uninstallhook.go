@@ -14,11 +14,15 @@
 // (keeping the RBAC) and the user cleans those nodes before finishing with
 // `helm uninstall --no-hooks`.
 //
-// First of all it deletes the node-taint MutatingAdmissionPolicyBinding
-// (when the chart has one): Helm deletes admission policies last, after
-// inpod-controller, and a node registering while the policy is live but no
-// controller runs (during the hook's wait, or after it) would keep the
-// startup taint forever.
+// First of all it deletes the MutatingAdmissionPolicyBindings of policies
+// that must not outlive the agents (Config.Bindings): Helm deletes
+// admission policies last, after the agents and inpod-controller, and
+// while such a binding is live:
+//   - node-taint policy: a node registering with no controller running
+//     (during the hook's wait, or after it) keeps the startup taint forever;
+//   - init-container policy (gate initcontainer): a pod created while the
+//     agents leave gets inpod-wait-ready, which can never pass once no
+//     agent redirects it, so the pod never starts.
 package uninstallhook
 
 import (
@@ -40,9 +44,10 @@ type Config struct {
 	Client    kubernetes.Interface
 	Namespace string
 	DaemonSet string
-	// NodeTaintBinding is the node-taint MutatingAdmissionPolicyBinding to
-	// delete before anything else; empty when the chart has none.
-	NodeTaintBinding string
+	// Bindings are the MutatingAdmissionPolicyBindings to delete before
+	// anything else (the node-taint and init-container policies' ones the
+	// chart renders); one already gone is fine.
+	Bindings []string
 	// Selector selects the agent pods to wait for.
 	Selector string
 	// Timeout bounds the wait; past it the hook fails, naming the nodes
@@ -54,7 +59,8 @@ type Config struct {
 	Logger *slog.Logger
 }
 
-// Run deletes the node-taint policy binding, then the DaemonSet, and waits until no agent pod remains. It fails
+// Run deletes the policy bindings, then the DaemonSet, and waits until no
+// agent pod remains. It fails
 // when an agent was not running at the start (its node keeps inpod), when
 // agents remain at the timeout, or when the API refuses it; the error names
 // the nodes left to clean by hand.
@@ -66,17 +72,18 @@ func Run(ctx context.Context, cfg Config) error {
 	if cfg.Poll == 0 {
 		cfg.Poll = time.Second
 	}
-	if cfg.NodeTaintBinding != "" {
-		// A failure stops the uninstall: going on would leave every node
-		// registering from now on tainted for good.
-		err := cfg.Client.AdmissionregistrationV1().MutatingAdmissionPolicyBindings().Delete(ctx, cfg.NodeTaintBinding, metav1.DeleteOptions{})
+	for _, b := range cfg.Bindings {
+		// A failure stops the uninstall: going on would leave the policy
+		// acting without the agents (nodes tainted for good, pods
+		// waiting for good).
+		err := cfg.Client.AdmissionregistrationV1().MutatingAdmissionPolicyBindings().Delete(ctx, b, metav1.DeleteOptions{})
 		switch {
 		case apierrors.IsNotFound(err):
-			log.Info("node-taint policy binding already gone", "binding", cfg.NodeTaintBinding)
+			log.Info("policy binding already gone", "binding", b)
 		case err != nil:
-			return fmt.Errorf("uninstall hook: delete MutatingAdmissionPolicyBinding %s (new nodes would keep the startup taint): %w", cfg.NodeTaintBinding, err)
+			return fmt.Errorf("uninstall hook: delete MutatingAdmissionPolicyBinding %s (its policy would act without the agents): %w", b, err)
 		default:
-			log.Info("deleted the node-taint policy binding: new nodes are no longer tainted", "binding", cfg.NodeTaintBinding)
+			log.Info("deleted the policy binding before the agents", "binding", b)
 		}
 	}
 	// Read before the DaemonSet goes: once deleted, a crash-looping agent's

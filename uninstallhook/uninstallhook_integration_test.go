@@ -58,12 +58,14 @@ func TestIntegrationUninstallHook(t *testing.T) {
 			if !tc.exits {
 				t.Cleanup(func() { deleteAgents(t, c) })
 			}
-			createBinding(t, c)
+			for _, b := range bindings {
+				createBinding(t, c, b)
+			}
 			order := deletionOrder(t, c)
 			done := make(chan error, 1)
 			go func() {
 				done <- uninstallhook.Run(ctx, uninstallhook.Config{
-					Client: c, Namespace: ns, DaemonSet: "inpod-agent", NodeTaintBinding: binding,
+					Client: c, Namespace: ns, DaemonSet: "inpod-agent", Bindings: bindings,
 					Selector: "app.kubernetes.io/name=inpod,app.kubernetes.io/component=agent",
 					Timeout:  3 * time.Second, Poll: 50 * time.Millisecond,
 				})
@@ -75,11 +77,12 @@ func TestIntegrationUninstallHook(t *testing.T) {
 			if tc.exits {
 				deleteAgents(t, c)
 			}
-			// The binding goes first: Helm would delete it last, after
-			// inpod-controller, and a node registering meanwhile would keep
-			// the startup taint for good.
-			if got := order(); !slices.Equal(got, []string{"binding", "daemonset"}) {
-				t.Fatalf("deleted in order %v, want [binding daemonset]", got)
+			// The bindings go first: Helm would delete them last, after
+			// the agents and inpod-controller, and meanwhile a node
+			// registering would keep the startup taint for good, and a pod
+			// created would get an init container that can never pass.
+			if got := order(); !slices.Equal(got, append(slices.Clone(bindings), "daemonset")) {
+				t.Fatalf("deleted in order %v, want %v then the daemonset", got, bindings)
 			}
 			var err error
 			select {
@@ -113,20 +116,22 @@ func TestIntegrationUninstallHook(t *testing.T) {
 	}
 }
 
-const binding = "inpod-node-startup-taint"
+// bindings are the chart's, node-taint and init-container policies (the
+// chart's check compares the names with what it renders).
+var bindings = []string{"inpod-node-startup-taint", "inpod-wait-ready-pod-label", "inpod-wait-ready-namespace-label"}
 
-func createBinding(t *testing.T, c kubernetes.Interface) {
+func createBinding(t *testing.T, c kubernetes.Interface, name string) {
 	t.Helper()
 	if _, err := c.AdmissionregistrationV1().MutatingAdmissionPolicyBindings().Create(context.Background(), &admissionv1.MutatingAdmissionPolicyBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: binding},
-		Spec:       admissionv1.MutatingAdmissionPolicyBindingSpec{PolicyName: binding},
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec:       admissionv1.MutatingAdmissionPolicyBindingSpec{PolicyName: name},
 	}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 }
 
-// deletionOrder watches the binding and the DaemonSet from now; the
-// function it returns waits for both deletions and names them in the order
+// deletionOrder watches the bindings and the DaemonSet from now; the
+// function it returns waits for every deletion and names them in the order
 // etcd committed them (the resourceVersion of a DELETED event is its
 // revision: comparable across resources in a test, never in the product).
 func deletionOrder(t *testing.T, c kubernetes.Interface) func() []string {
@@ -149,9 +154,10 @@ func deletionOrder(t *testing.T, c kubernetes.Interface) func() []string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	deleted := func(w watch.Interface, what string) int64 {
+	// deleted collects n deletions of w by name.
+	deleted := func(w watch.Interface, what string, n int, revs map[string]int64) {
 		timeout := time.After(30 * time.Second)
-		for {
+		for got := 0; got < n; {
 			select {
 			case ev, ok := <-w.ResultChan():
 				if !ok {
@@ -168,20 +174,29 @@ func deletionOrder(t *testing.T, c kubernetes.Interface) func() []string {
 				if err != nil {
 					t.Fatal(err)
 				}
-				return rv
+				name := m.GetName()
+				if what == "daemonset" {
+					name = what
+				}
+				revs[name] = rv
+				got++
 			case <-timeout:
-				t.Fatalf("%s not deleted", what)
+				t.Fatalf("%s: %d deleted of %d (%v)", what, len(revs), n, revs)
 			}
 		}
 	}
 	return func() []string {
 		defer bw.Stop()
 		defer dw.Stop()
-		b, d := deleted(bw, "binding"), deleted(dw, "daemonset")
-		if b < d {
-			return []string{"binding", "daemonset"}
+		revs := map[string]int64{}
+		deleted(bw, "bindings", len(bindings), revs)
+		deleted(dw, "daemonset", 1, revs)
+		var names []string
+		for n := range revs {
+			names = append(names, n)
 		}
-		return []string{"daemonset", "binding"}
+		slices.SortFunc(names, func(a, b string) int { return int(revs[a] - revs[b]) })
+		return names
 	}
 }
 

@@ -3,7 +3,6 @@ package waitready
 import (
 	"bufio"
 	"encoding/binary"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -105,96 +104,4 @@ func parseHexAddrPort(s string) (netip.AddrPort, error) {
 		a = netip.AddrFrom16(b).Unmap()
 	}
 	return netip.AddrPortFrom(a, uint16(port)), nil
-}
-
-// gateway is a default route's next hop.
-type gateway struct {
-	addr netip.Addr
-	dev  string
-}
-
-// defaultGateways reads the default routes' next hops of the thread's netns:
-// IPv4 from route, IPv6 from ipv6_route (missing without IPv6).
-func defaultGateways(dir string) ([]gateway, error) {
-	var out []gateway
-	data, err := os.ReadFile(filepath.Join(dir, "route"))
-	if err != nil {
-		return nil, err
-	}
-	v4, err := parseRoute(string(data))
-	if err != nil {
-		return nil, err
-	}
-	out = append(out, v4...)
-	data, err = os.ReadFile(filepath.Join(dir, "ipv6_route"))
-	if err != nil {
-		if errors.Is(err, fs.ErrNotExist) {
-			return out, nil
-		}
-		return nil, err
-	}
-	v6, err := parseIPv6Route(string(data))
-	if err != nil {
-		return nil, err
-	}
-	return append(out, v6...), nil
-}
-
-// rtfGateway is RTF_GATEWAY: the route has a next hop.
-const rtfGateway = 0x2
-
-// parseRoute reads /proc/net/route: "Iface Destination Gateway Flags ...
-// Mask ...", addresses as host-order hex words; the first default route
-// with a gateway counts.
-func parseRoute(table string) ([]gateway, error) {
-	s := bufio.NewScanner(strings.NewReader(table))
-	first := true
-	for s.Scan() {
-		if first {
-			first = false
-			continue
-		}
-		f := strings.Fields(s.Text())
-		if len(f) < 8 || f[1] != "00000000" || f[7] != "00000000" {
-			continue
-		}
-		flags, err1 := strconv.ParseUint(f[3], 16, 32)
-		gw, err2 := strconv.ParseUint(f[2], 16, 32)
-		if err1 != nil || err2 != nil {
-			return nil, fmt.Errorf("bad route line %q", s.Text())
-		}
-		if flags&rtfGateway == 0 || gw == 0 {
-			continue
-		}
-		var b [4]byte
-		binary.NativeEndian.PutUint32(b[:], uint32(gw))
-		return []gateway{{addr: netip.AddrFrom4(b), dev: f[0]}}, nil
-	}
-	return nil, s.Err()
-}
-
-// parseIPv6Route reads /proc/net/ipv6_route: "dest plen src splen nexthop
-// metric refcnt use flags dev", addresses as plain hex in network order.
-func parseIPv6Route(table string) ([]gateway, error) {
-	s := bufio.NewScanner(strings.NewReader(table))
-	for s.Scan() {
-		f := strings.Fields(s.Text())
-		if len(f) < 10 || f[1] != "00" || strings.Trim(f[0], "0") != "" {
-			continue
-		}
-		flags, err := strconv.ParseUint(f[8], 16, 32)
-		if err != nil {
-			return nil, fmt.Errorf("bad route line %q", s.Text())
-		}
-		nh, err := hex.DecodeString(f[4])
-		if err != nil || len(nh) != 16 {
-			return nil, fmt.Errorf("bad route line %q", s.Text())
-		}
-		a := netip.AddrFrom16([16]byte(nh))
-		if flags&rtfGateway == 0 || a.IsUnspecified() {
-			continue
-		}
-		return []gateway{{addr: a, dev: f[9]}}, nil
-	}
-	return nil, s.Err()
 }

@@ -50,18 +50,4 @@ func TestParseSocketsAndRoutes(t *testing.T) {
 		t.Errorf("missing listeners %v, want [15008]", got)
 	}
 
-	route := `Iface	Destination	Gateway 	Flags	RefCnt	Use	Metric	Mask		MTU	Window	IRTT
-eth0	0064A8C6	00000000	0001	0	0	0	00FFFFFF	0	0	0
-eth0	00000000	0164A8C6	0003	0	0	0	00000000	0	0	0`
-	gw, err := parseRoute(route)
-	if err != nil || len(gw) != 1 || gw[0] != (gateway{netip.MustParseAddr("198.168.100.1"), "eth0"}) {
-		t.Errorf("route: %+v %v", gw, err)
-	}
-	route6 := `fd420051000000000000000000000000 40 00000000000000000000000000000000 00 00000000000000000000000000000000 00000100 00000001 00000000 00000001     eth0
-00000000000000000000000000000000 00 00000000000000000000000000000000 00 00000000000000000000000000000000 ffffffff 00000001 00000000 00200200       lo
-00000000000000000000000000000000 00 00000000000000000000000000000000 00 fe800000000000000000000000000001 00000400 00000002 00000000 00000003     eth0`
-	gw, err = parseIPv6Route(route6)
-	if err != nil || len(gw) != 1 || gw[0] != (gateway{netip.MustParseAddr("fe80::1"), "eth0"}) {
-		t.Errorf("ipv6_route: %+v %v", gw, err)
-	}
 }

@@ -15,13 +15,22 @@
 //     and tcp6, which list the sockets of the reader's own netns to anyone.
 //     ztunnel binds them when the agent hands it the pod (ZDS Add) and the
 //     agent's CNI ADD waits for that.
-//  2. A TCP connection to an address outside the pod (by default the default
-//     gateway, port 9: on most CNIs an address of the node itself, so an
-//     unredirected probe stays on the node) is delivered to a socket in this
-//     netns listening on 15001: after the handshake, the socket table holds
-//     a socket on local port 15001 whose peer is the probe's own local
-//     address. Only a nat redirect in this netns can put the far end of a
-//     connection to the gateway inside the pod.
+//  2. A TCP connection to an address outside the pod is delivered to a
+//     socket in this netns listening on 15001: after the handshake, the
+//     socket table holds a socket on local port 15001 whose peer is the
+//     probe's own local address. Only a nat redirect in this netns can put
+//     the far end of a connection to an off-pod address inside the pod.
+//     By default the address is fixed per family, 192.0.2.1 and 2001:db8::1
+//     (documentation ranges, RFC 5737 and 3849), port 9, probed in each
+//     family the pod has a route to it in (its default route): the
+//     redirect happens in nat OUTPUT, after the route lookup and before the
+//     packet leaves, so the address need not exist, and it works whatever
+//     the default route looks like — a link-local next hop (Calico's
+//     fe80::ecee:eeff:feee:eeee, which a redirected connection could not
+//     be answered from) or no next hop at all (default dev eth0: ipvlan L3,
+//     point-to-point CNIs). Unredirected, the probe leaves the pod towards
+//     an address nobody holds and fails (refused, unreachable or timed out):
+//     it cannot pass without the rules.
 //
 // The check reads nothing ztunnel sends: Istio's ztunnel answers a
 // connection to an unknown destination by proxying it (it does not report
@@ -33,8 +42,9 @@
 // At that moment, in this pod's netns: listeners on ztunnel's three ports
 // exist, and new outbound TCP of an ordinary process of the pod (no socket
 // mark: the rules pass ztunnel's mark 0x539) to that address is redirected
-// to the outbound listener, for each address family the pod has a default
-// route in. Being the first init container, nothing of the pod but its
+// to the outbound listener, for each address family the pod has a route off
+// the pod in (a family whose only source address would be link-local
+// cannot reach a global destination at all, and is not probed). Being the first init container, nothing of the pod but its
 // sandbox ran before it, so the listeners are not the pod's own.
 //
 // # What it cannot prove
@@ -69,7 +79,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 )
 
@@ -82,7 +91,7 @@ const (
 
 // Defaults of Config.
 const (
-	DefaultTimeout     = 2 * time.Minute
+	DefaultTimeout     = 5 * time.Minute
 	DefaultProbePort   = 9
 	DefaultDialTimeout = 2 * time.Second
 	DefaultMinBackoff  = 100 * time.Millisecond
@@ -93,14 +102,22 @@ const (
 	DefaultProcNet = "/proc/thread-self/net"
 )
 
+// The default probe addresses, one per family: documentation ranges, which
+// no network answers for (RFC 5737, RFC 3849), and which the in-pod rules
+// redirect like any other off-pod destination.
+var (
+	DefaultProbeV4 = netip.MustParseAddr("192.0.2.1")
+	DefaultProbeV6 = netip.MustParseAddr("2001:db8::1")
+)
+
 // Config configures a Check. Zero values take the defaults.
 type Config struct {
 	// Timeout bounds the whole wait; Run fails once it has passed (the
 	// attempt under way then finishes first: up to DialTimeout per probe).
 	Timeout time.Duration
-	// Probes are host:port addresses outside the pod the outbound check
-	// connects to. Empty: each default gateway of the netns (IPv4 and
-	// IPv6), at ProbePort.
+	// Probes are ip:port addresses outside the pod the outbound check
+	// connects to. Empty: DefaultProbeV4 and DefaultProbeV6 at ProbePort,
+	// each if the netns routes it.
 	Probes    []string
 	ProbePort int
 	// DialTimeout bounds one probe connection.
@@ -235,20 +252,21 @@ func (c *Check) Once(ctx context.Context) (string, error) {
 	}
 	nr := &NotReady{MissingListeners: missingListeners(socks)}
 	outboundBound := !slices.Contains(nr.MissingListeners, PortOutbound)
-	targets, err := c.targets()
-	if err != nil {
-		return "", err
-	}
+	targets := c.targets()
 	if len(targets) == 0 {
-		nr.Probes = append(nr.Probes, "this pod's network namespace has no default route to probe outbound redirection through (set --probe)")
+		// No route off the pod in any family: nothing to prove outbound
+		// redirection with, and such a pod is not what the gate is for.
+		nr.Probes = append(nr.Probes, fmt.Sprintf("this pod's network namespace has no route off the pod (neither %s nor %s is routable), so outbound redirection cannot be tested", DefaultProbeV4, DefaultProbeV6))
 	}
 	var delivered []string
 	for _, t := range targets {
 		landed, err := c.probe(ctx, t)
 		switch {
-		case err != nil && errors.Is(err, syscall.ECONNREFUSED) && outboundBound:
+		case err != nil && outboundBound:
+			// A redirected connection ends on the bound local listener:
+			// refused, unreachable or unanswered, it left the pod.
 			nr.RulesMissing = true
-			nr.Probes = append(nr.Probes, fmt.Sprintf("an outbound connection to %s was refused instead of reaching ztunnel's %d", t, PortOutbound))
+			nr.Probes = append(nr.Probes, fmt.Sprintf("an outbound connection to %s failed (%v) instead of reaching ztunnel's %d", t, err, PortOutbound))
 		case err != nil:
 			nr.Probes = append(nr.Probes, fmt.Sprintf("an outbound connection to %s did not reach ztunnel: %v", t, err))
 		case landed == 0:
@@ -277,24 +295,36 @@ func missingListeners(socks []socket) []int {
 	return missing
 }
 
-// targets are the probe addresses, host:port.
-func (c *Check) targets() ([]string, error) {
+// targets are the probe addresses, ip:port: the configured ones, or the
+// default address of each family the netns routes.
+func (c *Check) targets() []string {
 	if len(c.cfg.Probes) > 0 {
-		return c.cfg.Probes, nil
-	}
-	gws, err := defaultGateways(c.cfg.ProcNet)
-	if err != nil {
-		return nil, fmt.Errorf("read the default routes of this network namespace: %w", err)
+		return c.cfg.Probes
 	}
 	var out []string
-	for _, g := range gws {
-		a := g.addr
-		if a.Is6() && a.IsLinkLocalUnicast() {
-			a = a.WithZone(g.dev)
+	for _, a := range []netip.Addr{DefaultProbeV4, DefaultProbeV6} {
+		t := netip.AddrPortFrom(a, uint16(c.cfg.ProbePort)).String()
+		if routed(t) {
+			out = append(out, t)
 		}
-		out = append(out, netip.AddrPortFrom(a, uint16(c.cfg.ProbePort)).String())
 	}
-	return out, nil
+	return out
+}
+
+// routed says whether the netns has a route to target, by the kernel's own
+// route lookup (connecting a UDP socket sends nothing): the default route
+// of any shape, or any other route covering it. A family disabled or
+// without a route fails here. A link-local source address means the family
+// has no address that can reach beyond the link (an IPv6 stack with no
+// global address but a default route): not routed.
+func routed(target string) bool {
+	conn, err := net.Dial("udp", target)
+	if err != nil {
+		return false
+	}
+	defer conn.Close()
+	me, err := netip.ParseAddrPort(conn.LocalAddr().String())
+	return err == nil && !me.Addr().IsLinkLocalUnicast()
 }
 
 // peerWait bounds the wait for the accepted end of a probe to show in the

@@ -100,7 +100,24 @@ type emptySource struct{}
 
 func (emptySource) Snapshot(context.Context) ([]zds.Workload, error) { return nil, nil }
 
-func newPod(t *testing.T) *pod {
+// routes is the shape of the pod's default routes, as CNIs make them.
+type routes int
+
+const (
+	// viaNode: default via the node's address on the link (bridge CNIs).
+	viaNode routes = iota
+	// linkLocalGateway: Calico's, default via 169.254.1.1 (onlink) and
+	// fe80::ecee:eeff:feee:eeee, the node side's link-local address.
+	linkLocalGateway
+	// noGateway: default dev eth0, no next hop (ipvlan L3, ptp CNIs).
+	noGateway
+)
+
+const calicoGateway6 = "fe80::ecee:eeff:feee:eeee"
+
+func newPod(t *testing.T) *pod { return newPodWith(t, viaNode) }
+
+func newPodWith(t *testing.T, r routes) *pod {
 	t.Helper()
 	node, p := netnstest.New(t), netnstest.New(t)
 	node.Exec(t, "ip", "link", "add", "veth0", "type", "veth", "peer", "name", "eth0", "netns", p.Name)
@@ -110,8 +127,19 @@ func newPod(t *testing.T) *pod {
 	p.Exec(t, "ip", "addr", "add", podIP4+"/24", "dev", "eth0")
 	p.Exec(t, "ip", "-6", "addr", "add", podIP6+"/64", "dev", "eth0", "nodad")
 	p.Exec(t, "ip", "link", "set", "eth0", "up")
-	p.Exec(t, "ip", "route", "add", "default", "via", nodeIP4)
-	p.Exec(t, "ip", "-6", "route", "add", "default", "via", nodeIP6)
+	switch r {
+	case viaNode:
+		p.Exec(t, "ip", "route", "add", "default", "via", nodeIP4)
+		p.Exec(t, "ip", "-6", "route", "add", "default", "via", nodeIP6)
+	case linkLocalGateway:
+		node.Exec(t, "ip", "addr", "add", "169.254.1.1/32", "dev", "veth0")
+		node.Exec(t, "ip", "-6", "addr", "add", calicoGateway6+"/64", "dev", "veth0", "nodad")
+		p.Exec(t, "ip", "route", "add", "default", "via", "169.254.1.1", "dev", "eth0", "onlink")
+		p.Exec(t, "ip", "-6", "route", "add", "default", "via", calicoGateway6, "dev", "eth0")
+	case noGateway:
+		p.Exec(t, "ip", "route", "add", "default", "dev", "eth0")
+		p.Exec(t, "ip", "-6", "route", "add", "default", "dev", "eth0")
+	}
 
 	sock := filepath.Join(testkit.ShortTempDir(t, "waitready-"), "ztunnel.sock")
 	srv, err := zds.NewServer(zds.Config{SocketPath: sock, Source: emptySource{}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
@@ -270,22 +298,71 @@ func TestPassesWithListenersAndRules(t *testing.T) {
 	if res.exit != 0 {
 		t.Fatalf("check exited %d: %s", res.exit, res.stderr)
 	}
-	for _, want := range []string{"198.51.100.1:9", "[fd42:51::1]:9", "delivered to its 15001"} {
+	expectPass(t, p, res)
+}
+
+// expectPass checks that both families were probed at the default
+// addresses and that the stand-in's outbound listener took the probes with
+// their original destinations.
+func expectPass(t *testing.T, p *pod, res result) {
+	t.Helper()
+	if res.exit != 0 {
+		t.Fatalf("check exited %d: %s", res.exit, res.stderr)
+	}
+	for _, want := range []string{"192.0.2.1:9", "[2001:db8::1]:9", "delivered to its 15001"} {
 		if !strings.Contains(res.stdout, want) {
 			t.Errorf("the check's proof lacks %q: %s", want, res.stdout)
 		}
 	}
-	// The stand-in saw the probes arrive with their original destinations:
-	// it was its outbound listener that took them.
 	got := map[string]bool{}
 	for _, a := range p.standin.AcceptedConns() {
 		if a.Port == ztunnel.PortOutbound {
 			got[a.OrigDst] = true
 		}
 	}
-	if !got["198.51.100.1:9"] || !got["[fd42:51::1]:9"] {
+	if !got["192.0.2.1:9"] || !got["[2001:db8::1]:9"] {
 		t.Errorf("the stand-in's outbound listener accepted %v, want both probes", p.standin.AcceptedConns())
 	}
+}
+
+// Whatever the default route's shape, a redirected pod passes and an
+// unredirected one fails: the probe addresses do not depend on a next hop.
+// (Probing the next hop failed both: a connection redirected from a
+// link-local destination is never answered, and a route without a next hop
+// gave nothing to probe.)
+func TestDefaultRouteShapes(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		r    routes
+	}{{"link-local gateway", linkLocalGateway}, {"no gateway", noGateway}} {
+		t.Run(c.name, func(t *testing.T) {
+			p := newPodWith(t, c.r)
+			p.addToZtunnel(t)
+			expectFail(t, startCheck(t, p, time.Second)(), "the redirection rules are missing",
+				"an outbound connection to 192.0.2.1:9 failed")
+			p.applyRules(t)
+			expectPass(t, p, startCheck(t, p, 10*time.Second)())
+		})
+	}
+}
+
+// A pod with no route off the pod has nothing to probe: the check fails,
+// naming that, rather than passing on the listeners alone.
+func TestFailsWithoutAnyRoute(t *testing.T) {
+	p := newPod(t)
+	p.applyRules(t)
+	p.addToZtunnel(t)
+	if err := netns.Do(p.ns, func() error {
+		for _, args := range [][]string{{"ip", "route", "del", "default"}, {"ip", "-6", "route", "del", "default"}} {
+			if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+				return fmt.Errorf("%v: %v: %s", args, err, out)
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	expectFail(t, startCheck(t, p, time.Second)(), "has no route off the pod (neither 192.0.2.1 nor 2001:db8::1 is routable)")
 }
 
 func TestWaitsUntilRedirectionAppears(t *testing.T) {
@@ -313,7 +390,8 @@ func TestFailsWithoutRules(t *testing.T) {
 	expectFail(t, startCheck(t, p, time.Second)(),
 		"redirection is not in place after",
 		"the redirection rules are missing",
-		"an outbound connection to 198.51.100.1:9 was refused instead of reaching ztunnel's 15001")
+		"an outbound connection to 192.0.2.1:9 failed",
+		"instead of reaching ztunnel's 15001")
 }
 
 func TestFailsWithoutListeners(t *testing.T) {
@@ -336,7 +414,7 @@ func TestFailsWhenZtunnelIsGone(t *testing.T) {
 	p.stop() // ztunnel exits: its listeners close, the rules stay
 	res := startCheck(t, p, time.Second)()
 	expectFail(t, res, "not bound in this pod's network namespace (ztunnel has not started this pod's proxy, or is gone)",
-		"an outbound connection to 198.51.100.1:9 did not reach ztunnel: connect: connection refused")
+		"an outbound connection to 192.0.2.1:9 did not reach ztunnel: connect: connection refused")
 	if strings.Contains(res.stderr, "rules are missing") {
 		t.Errorf("blames the rules, which are there: %s", res.stderr)
 	}

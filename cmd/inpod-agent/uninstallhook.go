@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"flag"
+	"fmt"
 	"log/slog"
 	"os"
 	"os/signal"
@@ -19,15 +20,22 @@ import (
 )
 
 // runUninstallHook is `inpod-agent uninstall-hook`, the chart's pre-delete
-// hook: delete the node-taint policy binding, then the agent DaemonSet, and wait for the agents to finish their
-// uninstall while their RBAC still exists.
+// hook: delete the node-taint and init-container policy bindings, then the
+// agent DaemonSet, and wait for the agents to finish their uninstall while
+// their RBAC still exists.
 func runUninstallHook(args []string) error {
 	fs := flag.NewFlagSet("inpod-agent uninstall-hook", flag.ContinueOnError)
 	var cfg uninstallhook.Config
 	kubeconfig := fs.String("kubeconfig", "", "kubeconfig to use instead of the in-cluster service account")
 	fs.StringVar(&cfg.Namespace, "namespace", "", "the agents' namespace")
 	fs.StringVar(&cfg.DaemonSet, "daemonset", "inpod-agent", "the agent DaemonSet to delete")
-	fs.StringVar(&cfg.NodeTaintBinding, "node-taint-binding", "", "the node-taint MutatingAdmissionPolicyBinding to delete first (empty: none)")
+	fs.Func("binding", "a MutatingAdmissionPolicyBinding to delete first (repeatable; the chart's node-taint and init-container bindings)", func(v string) error {
+		if v == "" {
+			return fmt.Errorf("empty binding name")
+		}
+		cfg.Bindings = append(cfg.Bindings, v)
+		return nil
+	})
 	fs.StringVar(&cfg.Selector, "agent-selector", agent.DefaultAgentSelector, "label selector of the agent pods to wait for")
 	fs.DurationVar(&cfg.Timeout, "timeout", 2*time.Minute, "how long to wait for the agents; then succeed anyway")
 	err := envflag.Parse(fs, "inpod-agent uninstall-hook: the chart's pre-delete hook (delete the agent DaemonSet, wait for the agents' uninstall)", args)

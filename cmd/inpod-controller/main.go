@@ -73,6 +73,7 @@ func define(fs *flag.FlagSet) *options {
 	o.resourceName = fs.String("resource-name", requestwebhook.DefaultResourceName, "webhook: the extended resource enrolled pods request (the agent's --resource-name)")
 	fs.StringVar(&wh.Policy.Label, "enrollment-label", enroll.DataplaneModeLabel, "webhook: pod and namespace label whose value ambient enrolls and none opts out (the agent's --enrollment-label)")
 	o.excludeNamespaces = fs.String("exclude-namespaces", "kube-system", "webhook: comma-separated namespaces never enrolled (the agent's --exclude-namespaces)")
+	fs.StringVar(&wh.OwnNamespace, "own-namespace", taintcontroller.DefaultNamespace, "webhook: inpod's namespace, the only one where the label app.kubernetes.io/part-of=inpod exempts a pod from the request")
 	return o
 }
 

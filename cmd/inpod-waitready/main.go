@@ -3,6 +3,12 @@
 // own network namespace, and non-zero with a message naming what is missing
 // when it is not by the timeout. It needs no privilege. See package
 // waitready for what the check proves and what it cannot.
+//
+// It takes its configuration from flags only, unlike inpod's other binaries
+// (internal/envflag): it runs inside user pods, whose environment the
+// kubelet fills with service links — a Service named inpod-probe would set
+// INPOD_PROBE_PORT=tcp://10.96.0.7:80 in every container of its namespace.
+// The admission policy passes every setting as an argument.
 package main
 
 import (
@@ -14,7 +20,6 @@ import (
 	"strings"
 	"syscall"
 
-	"github.com/inpod-dev/inpod/internal/envflag"
 	"github.com/inpod-dev/inpod/waitready"
 )
 
@@ -23,12 +28,7 @@ func main() {
 }
 
 func run(args []string) int {
-	fs := flag.NewFlagSet("inpod-waitready", flag.ContinueOnError)
-	timeout := fs.Duration("timeout", waitready.DefaultTimeout, "give up (exit 1) when redirection is not in place after this long")
-	probes := fs.String("probe", "", "comma list of ip:port ([ip]:port for IPv6) outside the pod to test outbound redirection with; empty: each default gateway of the pod at --probe-port")
-	probePort := fs.Int("probe-port", waitready.DefaultProbePort, "the port probed on the default gateways")
-	dialTimeout := fs.Duration("dial-timeout", waitready.DefaultDialTimeout, "bound of one probe connection")
-	err := envflag.Parse(fs, "inpod-waitready: waits until redirection to ztunnel is in place in this pod's network namespace (inpod's init container; unprivileged)", args)
+	cfg, err := parse(args)
 	if err == flag.ErrHelp {
 		return 0
 	}
@@ -36,20 +36,7 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	if *probePort < 1 || *probePort > 65535 {
-		// Config reads 0 as "the default": refuse it here, not silently.
-		fmt.Fprintf(os.Stderr, "--probe-port %d out of range 1-65535\n", *probePort)
-		return 2
-	}
-	cfg := waitready.Config{
-		Timeout: *timeout, ProbePort: *probePort, DialTimeout: *dialTimeout,
-		Progress: func(msg string) { fmt.Fprintln(os.Stderr, "waiting:", msg) },
-	}
-	for p := range strings.SplitSeq(*probes, ",") {
-		if p = strings.TrimSpace(p); p != "" {
-			cfg.Probes = append(cfg.Probes, p)
-		}
-	}
+	cfg.Progress = func(msg string) { fmt.Fprintln(os.Stderr, "waiting:", msg) }
 	check, err := waitready.New(cfg)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -66,4 +53,35 @@ func run(args []string) int {
 	}
 	fmt.Println(proof)
 	return 0
+}
+
+// parse reads the flags, and nothing of the environment (see the package
+// doc).
+func parse(args []string) (waitready.Config, error) {
+	fs := flag.NewFlagSet("inpod-waitready", flag.ContinueOnError)
+	timeout := fs.Duration("timeout", waitready.DefaultTimeout, "give up (exit 1) when redirection is not in place after this long")
+	probes := fs.String("probe", "", "comma list of ip:port ([ip]:port for IPv6) outside the pod to test outbound redirection with; empty: a fixed off-pod address per address family the pod has a default route in, at --probe-port")
+	probePort := fs.Int("probe-port", waitready.DefaultProbePort, "the port of the default probes")
+	dialTimeout := fs.Duration("dial-timeout", waitready.DefaultDialTimeout, "bound of one probe connection")
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "inpod-waitready: waits until redirection to ztunnel is in place in this pod's network namespace (inpod's init container; unprivileged)\n\nUsage: inpod-waitready [flags]\n\nFlags only: the environment is the pod's (service links), never read.\n\n")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return waitready.Config{}, err
+	}
+	if fs.NArg() > 0 {
+		return waitready.Config{}, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if *probePort < 1 || *probePort > 65535 {
+		// Config reads 0 as "the default": refuse it here, not silently.
+		return waitready.Config{}, fmt.Errorf("--probe-port %d out of range 1-65535", *probePort)
+	}
+	cfg := waitready.Config{Timeout: *timeout, ProbePort: *probePort, DialTimeout: *dialTimeout}
+	for p := range strings.SplitSeq(*probes, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			cfg.Probes = append(cfg.Probes, p)
+		}
+	}
+	return cfg, nil
 }

@@ -1,9 +1,14 @@
 package main
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/inpod-dev/inpod/netns"
+	"github.com/inpod-dev/inpod/netns/netnstest"
+)
 
 // Every case must end before the check runs: this test runs in the host's
-// netns, where a check would probe the machine's gateway.
+// netns, where a check would probe the machine's network.
 func TestFlags(t *testing.T) {
 	for _, c := range []struct {
 		args []string
@@ -11,6 +16,7 @@ func TestFlags(t *testing.T) {
 	}{
 		{[]string{"--help"}, 0},
 		{[]string{"--no-such-flag"}, 2},
+		{[]string{"--timeout=1s", "stray"}, 2},
 		// Loopback is never redirected: a probe there would prove nothing.
 		{[]string{"--probe=127.0.0.1:9"}, 2},
 		{[]string{"--probe=example.com:9"}, 2},
@@ -25,8 +31,28 @@ func TestFlags(t *testing.T) {
 			t.Errorf("%v: exit %d, want %d", c.args, got, c.want)
 		}
 	}
-	t.Setenv("INPOD_TIMEOUT", "soon")
-	if got := run(nil); got != 2 {
-		t.Errorf("INPOD_TIMEOUT=soon: exit %d, want 2", got)
+}
+
+// The kubelet sets service links in every container of the pod: a Service
+// named inpod-probe (or inpod-timeout, …) in the pod's namespace must not
+// configure the check, let alone make it exit 2 in every enrolled pod there.
+// The check runs (exit 1: nothing is redirected) in an empty netns.
+func TestEnvironmentIsIgnored(t *testing.T) {
+	netnstest.RequireRoot(t)
+	for _, kv := range [][2]string{
+		{"INPOD_PROBE_PORT", "tcp://10.96.0.7:80"},
+		{"INPOD_PROBE", "tcp://10.96.0.8:80"},
+		{"INPOD_TIMEOUT", "tcp://10.96.0.9:80"},
+		{"INPOD_DIAL_TIMEOUT", "tcp://10.96.0.10:80"},
+	} {
+		t.Setenv(kv[0], kv[1])
+	}
+	ns := netnstest.New(t).Open(t)
+	var got int
+	if err := netns.Do(ns, func() error { got = run([]string{"--timeout=1ms"}); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if got != 1 {
+		t.Errorf("with service-link variables INPOD_*: exit %d, want 1 (the check ran and found nothing)", got)
 	}
 }

@@ -44,6 +44,14 @@ type Case struct {
 	Want Want
 }
 
+// AgentOnly: the agent enrolls the pod, but admission leaves it alone
+// (Want Unchanged, no init container): a mirror pod, whose API spec is not
+// what the kubelet runs.
+func (c Case) AgentOnly() bool { return c.Pod.Annotations[MirrorAnnotation] != "" }
+
+// MirrorAnnotation marks the API copy of a static pod (the kubelet's).
+const MirrorAnnotation = "kubernetes.io/config.mirror"
+
 // Namespaces the cases' pods are created in: mesh is labelled ambient,
 // plain is not. kube-system (excluded) must be labelled ambient too: call
 // LabelExcluded on it.
@@ -52,6 +60,17 @@ func Namespaces() []*corev1.Namespace {
 		{ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{Label: "ambient", "kubernetes.io/metadata.name": "mesh"}}},
 		{ObjectMeta: metav1.ObjectMeta{Name: "plain", Labels: map[string]string{"kubernetes.io/metadata.name": "plain"}}},
 	}
+}
+
+// Own is inpod's namespace in the tests (the release namespace): only there
+// does app.kubernetes.io/part-of=inpod exempt a pod. Not among Namespaces:
+// the tests create it with the chart.
+const Own = "inpod-system"
+
+// OwnPod is an inpod pod in Own, labelled ambient: admission leaves it
+// alone (the exemption that lets inpod start before its own gate).
+func OwnPod() *corev1.Pod {
+	return pod(Own, "inpod-own", map[string]string{"app.kubernetes.io/part-of": "inpod", Label: "ambient"}, nil)
 }
 
 // Excluded is the excluded namespace of the cases (the chart's default).
@@ -99,8 +118,18 @@ func Cases() []Case {
 		{pod("mesh", "host-network-by-namespace", nil, func(p *corev1.Pod) { p.Spec.HostNetwork = true }), Unchanged},
 		{pod(Excluded, "excluded-namespace", nil, nil), Unchanged},
 		{pod(Excluded, "excluded-namespace-pod-label", ambient, nil), Unchanged},
-		{pod("mesh", "inpod-own", map[string]string{"app.kubernetes.io/part-of": "inpod"}, nil), Unchanged},
-		{pod("mesh", "inpod-own-labelled", map[string]string{"app.kubernetes.io/part-of": "inpod", Label: "ambient"}, nil), Unchanged},
+		// inpod's label outside inpod's namespace is a user's pod: the agent
+		// enrolls it, so it is gated like any other (inpod's own pods, in
+		// its namespace, are tested by each implementation).
+		{pod("mesh", "inpod-label-elsewhere", map[string]string{"app.kubernetes.io/part-of": "inpod"}, nil), Gains},
+		{pod("plain", "inpod-label-elsewhere-labelled", map[string]string{"app.kubernetes.io/part-of": "inpod", Label: "ambient"}, nil), Gains},
+		// A static pod's mirror: the kubelet runs the static manifest, never
+		// this spec; a request would only skew the scheduler's accounting,
+		// and an init container would never run.
+		{pod("mesh", "mirror", ambient, func(p *corev1.Pod) {
+			p.Annotations = map[string]string{MirrorAnnotation: "0123456789abcdef"}
+			p.Spec.NodeName = "node-a"
+		}), Unchanged},
 
 		// Already requesting it (on another container, or only as a
 		// limit): left as it is.
@@ -125,12 +154,12 @@ func Cases() []Case {
 	}
 }
 
-// Enrolled says whether the enrollment rules enroll the case's pod, which
-// the init-container policy (gate initcontainer) follows: every pod that
+// Enrolled says whether the enrollment rules enroll the case's pod (the
+// agent's view; the init-container policy follows Gated): every pod that
 // gains or already requests the resource, and a pod left unchanged only
 // because a sidecar (init container) requests it already.
 func (c Case) Enrolled() bool {
-	if c.Want != Unchanged {
+	if c.Want != Unchanged || c.AgentOnly() {
 		return true
 	}
 	for _, ic := range c.Pod.Spec.InitContainers {
@@ -142,6 +171,10 @@ func (c Case) Enrolled() bool {
 	}
 	return false
 }
+
+// Gated says whether admission gives the pod inpod-wait-ready (gate
+// initcontainer): enrolled, and not AgentOnly.
+func (c Case) Gated() bool { return c.Enrolled() && !c.AgentOnly() }
 
 // requests counts the containers requesting the resource, and says whether
 // each that does asks for exactly 1 in requests and limits.

@@ -53,14 +53,22 @@ taint. As a dict for the binding's objectSelector. */}}
 
 {{/* The enrollment rules an admission policy on pods shares with the
 agent, as CEL matchConditions: never hostNetwork pods, never inpod's own
-(part-of=inpod). The label and namespace rules are the bindings' selectors
+(part-of=inpod in the release namespace: anywhere else the label is a
+user's, and the agent enrolls such a pod like any other). Never mirror pods either (the API copies of static pods):
+the kubelet runs the static manifest, not their spec, so a request would
+only skew the scheduler's accounting and an init container would never run
+(the agent still enrolls the static pod at its CNI ADD). The label and namespace rules are the bindings' selectors
 (inpod.enrollmentBindings): a MutatingAdmissionPolicy cannot read the
 namespace's labels in CEL. */}}
 {{- define "inpod.enrolledPodConditions" -}}
 - name: not-host-network
   expression: '!has(object.spec.hostNetwork) || !object.spec.hostNetwork'
+- name: not-mirror
+  expression: >-
+    !has(object.metadata.annotations) || !('kubernetes.io/config.mirror' in object.metadata.annotations)
 - name: not-inpod
   expression: >-
+    request.namespace != {{ .Release.Namespace | squote }} ||
     !has(object.metadata.labels) || !('app.kubernetes.io/part-of' in object.metadata.labels) ||
     object.metadata.labels['app.kubernetes.io/part-of'] != 'inpod'
 {{- end }}
@@ -72,16 +80,23 @@ when it says ambient or none); never the excluded namespaces. */}}
 {{- define "inpod.enrollmentBindings" -}}
 {{- $ := index . 0 }}
 {{- $policy := index . 1 }}
+{{- /* Optional third element: "Validating" for a ValidatingAdmissionPolicy
+(its bindings deny). */}}
+{{- $kind := "Mutating" }}
+{{- if eq (len .) 3 }}{{ $kind = index . 2 }}{{ end }}
 {{- $label := $.Values.enrollment.label }}
 ---
 apiVersion: admissionregistration.k8s.io/v1
-kind: MutatingAdmissionPolicyBinding
+kind: {{ $kind }}AdmissionPolicyBinding
 metadata:
   name: {{ $policy }}-pod-label
   labels:
     {{- include "inpod.labels" $ | nindent 4 }}
 spec:
   policyName: {{ $policy }}
+  {{- if eq $kind "Validating" }}
+  validationActions: [Deny]
+  {{- end }}
   matchResources:
     objectSelector:
       matchLabels:
@@ -93,13 +108,16 @@ spec:
     {{- end }}
 ---
 apiVersion: admissionregistration.k8s.io/v1
-kind: MutatingAdmissionPolicyBinding
+kind: {{ $kind }}AdmissionPolicyBinding
 metadata:
   name: {{ $policy }}-namespace-label
   labels:
     {{- include "inpod.labels" $ | nindent 4 }}
 spec:
   policyName: {{ $policy }}
+  {{- if eq $kind "Validating" }}
+  validationActions: [Deny]
+  {{- end }}
   matchResources:
     # The pod's own label decides when it says ambient or none.
     objectSelector:
