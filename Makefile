@@ -113,7 +113,7 @@ bench: deps ## every benchmark; one report of every figure next to its floor, in
 # The headline: pod start-up (create → Ready), enrolled pods against pods
 # outside the mesh on a real node per gate mode (tag e2e, under the e2e
 # lock); benchreport.HeadlineSection puts it first in the report.
-	$(K8S_ENV) flock /tmp/inpod-e2e.lock $(BENCH) -tags e2e -bench E2EPodStartup -benchtime 1x -timeout 40m ./e2e/
+	$(K8S_ENV) flock /tmp/inpod-e2e.lock env $(BENCH) -tags e2e -bench E2EPodStartup -benchtime 1x -timeout 40m ./e2e/
 	$(GO) run ./internal/benchreport/cmd/benchreport -in $(BENCH_FIGURES) -out $(CURDIR)/BENCHMARKS.md
 
 # Pinned Kubernetes and etcd binaries for the test node, cached outside the
