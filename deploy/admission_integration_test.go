@@ -52,6 +52,17 @@ func TestIntegrationResourceRequestPolicy(t *testing.T) {
 // checkRequestCases creates requestcases' namespaces and admits each of
 // its pods (server-side dry run), once the mutation (by, for messages) is
 // seen to apply.
+// admit is what admission makes of p (a dry-run create); a refusal fails
+// the test.
+func (a *apiserver) admit(t *testing.T, p *corev1.Pod) *corev1.Pod {
+	t.Helper()
+	out, err := a.Client.CoreV1().Pods(p.Namespace).Create(context.Background(), p, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+	if err != nil {
+		t.Fatalf("pod %s/%s refused: %v", p.Namespace, p.Name, err)
+	}
+	return out
+}
+
 func (a *apiserver) checkRequestCases(t *testing.T, by string) {
 	t.Helper()
 	ctx := context.Background()
@@ -69,14 +80,7 @@ func (a *apiserver) checkRequestCases(t *testing.T, by string) {
 	if _, err := nss.Update(ctx, ks, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	admit := func(p *corev1.Pod) *corev1.Pod {
-		t.Helper()
-		out, err := a.Client.CoreV1().Pods(p.Namespace).Create(ctx, p, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
-		if err != nil {
-			t.Fatalf("pod %s/%s refused: %v", p.Namespace, p.Name, err)
-		}
-		return out
-	}
+	admit := func(p *corev1.Pod) *corev1.Pod { t.Helper(); return a.admit(t, p) }
 	probe := requestcases.Cases()[0]
 	testkit.Eventually(t, 30*time.Second, by+" to apply", func() bool {
 		return probe.Check(admit(probe.Pod.DeepCopy())) == nil

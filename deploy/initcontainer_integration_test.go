@@ -88,14 +88,7 @@ func TestIntegrationInitContainerPolicy(t *testing.T) {
 	a.checkRequestCases(t, "the request policy next to the init-container policy")
 
 	ctx := context.Background()
-	admit := func(p *corev1.Pod) *corev1.Pod {
-		t.Helper()
-		out, err := a.Client.CoreV1().Pods(p.Namespace).Create(ctx, p, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
-		if err != nil {
-			t.Fatalf("pod %s/%s refused: %v", p.Namespace, p.Name, err)
-		}
-		return out
-	}
+	admit := func(p *corev1.Pod) *corev1.Pod { t.Helper(); return a.admit(t, p) }
 	probe := requestcases.Cases()[0]
 	testkit.Eventually(t, 30*time.Second, "the init-container policy to apply", func() bool {
 		return checkWaitReady(probe.Pod, admit(probe.Pod.DeepCopy()), true) == ""
