@@ -208,8 +208,8 @@ func TestWaitReadyImageRunsUnprivileged(t *testing.T) {
 	}
 	err = cmd.Wait()
 	if cmd.ProcessState.ExitCode() != 1 || !strings.Contains(out.String(), "listeners on port 15001, 15006, 15008 are not bound") ||
-		!strings.Contains(out.String(), "no default route") {
-		t.Fatalf("exit %v, output:\n%s\nwant exit 1 naming the missing listeners and default route", err, out.String())
+		!strings.Contains(out.String(), "no route off the pod") {
+		t.Fatalf("exit %v, output:\n%s\nwant exit 1 naming the missing listeners and the missing route", err, out.String())
 	}
 }
 
