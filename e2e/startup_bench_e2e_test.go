@@ -285,7 +285,7 @@ func benchGateMode(ctx context.Context, b *testing.B, repo, imgDir string, m gat
 		what string
 		d    time.Duration
 	}{{"median", took[len(took)/2]}, {"max", took[len(took)-1]}} {
-		benchreport.Record(b, benchreport.Figure{Section: "Gate: ztunnel gone → the scheduler sees it",
+		benchreport.Record(b, benchreport.Figure{Section: benchreport.SchedulerSeesSection,
 			Name:  fmt.Sprintf("%s: stand-in pod deleted → %s, %s of %d", m.name, m.seen, f.what, samples),
 			Value: ms(f.d), Unit: "ms"})
 	}
