@@ -95,14 +95,7 @@ func TestE2EChartTaintMode(t *testing.T) {
 		}
 		return false
 	})
-	condition := func() corev1.ConditionStatus {
-		for _, c := range getNode().Status.Conditions {
-			if c.Type == nodecondition.ConditionType {
-				return c.Status
-			}
-		}
-		return ""
-	}
+	condition := func() corev1.ConditionStatus { return nodeCondition(ctx, node, nodecondition.ConditionType) }
 	// No ztunnel yet: the agent reports False and the taint stays.
 	testkit.Eventually(t, 2*time.Minute, "the condition False", func() bool { return condition() == corev1.ConditionFalse })
 	testkit.Eventually(t, time.Minute, "the scheduler to report the taint", func() bool {

@@ -322,7 +322,7 @@ func TestE2EMission(t *testing.T) {
 	ok = t.Run("5 kubelet restart", func(t *testing.T) {
 		agentPod := agentReady(t, ctx, node)
 		agentState := podState(t, ctx, node, chart.Namespace, agentPod)
-		registrations := agentMetric(agentMetricsPort, "inpod_deviceplugin_registrations_total")
+		registrations := mustAgentMetric(t, agentMetricsPort, "inpod_deviceplugin_registrations_total")
 		if err := node.RestartKubelet(ctx); err != nil {
 			t.Fatal(err)
 		}
@@ -345,8 +345,8 @@ func TestE2EMission(t *testing.T) {
 	}
 
 	ok = t.Run("6 conflist clobbered", func(t *testing.T) {
-		repairs := agentMetric(agentMetricsPort, "inpod_cni_repairs_total")
-		transitions := agentMetric(agentMetricsPort, "inpod_node_ready_transitions_total")
+		repairs := mustAgentMetric(t, agentMetricsPort, "inpod_cni_repairs_total")
+		transitions := mustAgentMetric(t, agentMetricsPort, "inpod_node_ready_transitions_total")
 		// The primary CNI writes its configuration again, without inpod;
 		// enrolled pods keep being created meanwhile.
 		if err := os.WriteFile(conflist, before.conflist, 0o644); err != nil {

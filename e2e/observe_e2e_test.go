@@ -155,6 +155,32 @@ func agentMetric(port int, name string) float64 {
 	return sum
 }
 
+// mustAgentMetric is agentMetric for a baseline a later check compares
+// against: one that could not be read fails the test, or any later value
+// would pass.
+func mustAgentMetric(t *testing.T, port int, name string) float64 {
+	t.Helper()
+	v := agentMetric(port, name)
+	if v < 0 {
+		t.Fatalf("the agent's metric %s could not be read on :%d", name, port)
+	}
+	return v
+}
+
+// nodeCondition is the status of the Node's condition of type ct, or "".
+func nodeCondition(ctx context.Context, node *cluster.Node, ct corev1.NodeConditionType) corev1.ConditionStatus {
+	n, err := node.Client.CoreV1().Nodes().Get(ctx, node.Name, metav1.GetOptions{})
+	if err != nil {
+		return ""
+	}
+	for _, c := range n.Status.Conditions {
+		if c.Type == ct {
+			return c.Status
+		}
+	}
+	return ""
+}
+
 // allocatable is the Node's allocatable count of resource (-1 when the
 // Node cannot be read).
 func allocatable(ctx context.Context, node *cluster.Node, resource corev1.ResourceName) int64 {

@@ -139,14 +139,7 @@ func TestE2ETaintModeGatesScheduling(t *testing.T) {
 	})
 
 	a, zdsSocket := runHostAgent(ctx, t, node, func(c *agent.Config) { c.Gate = "node-condition" })
-	condition := func() corev1.ConditionStatus {
-		for _, c := range getNode().Status.Conditions {
-			if c.Type == nodecondition.ConditionType {
-				return c.Status
-			}
-		}
-		return ""
-	}
+	condition := func() corev1.ConditionStatus { return nodeCondition(ctx, node, nodecondition.ConditionType) }
 	// No ztunnel yet: the agent reports False, the taint stays, the pod
 	// stays Pending for the taint.
 	testkit.Eventually(t, 60*time.Second, "the condition False", func() bool { return condition() == corev1.ConditionFalse })
