@@ -15,8 +15,10 @@ package zdstest
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -52,6 +54,22 @@ type Config struct {
 	AckDelay time.Duration
 	Reject   func(uid string) string
 	Logger   *slog.Logger
+	// Record, when set, receives one JSON line (a RecordEntry) per
+	// change of the stand-in's workloads: its start, every Add it
+	// acknowledged (after the ack went out), every workload it closed. A
+	// test replays it to judge the stand-in from outside its process.
+	Record io.Writer
+}
+
+// RecordEntry is one line of Config.Record. Event is "start" (a new
+// process: no workloads), "ack" (an Add acknowledged for UID in NetNS) or
+// "del" (the workload closed: a Del, or not named in a snapshot).
+type RecordEntry struct {
+	Time  time.Time `json:"time"`
+	Event string    `json:"event"`
+	UID   string    `json:"uid,omitempty"`
+	Pod   string    `json:"pod,omitempty"`
+	NetNS string    `json:"netns,omitempty"`
 }
 
 // Workload is what the stand-in runs for one pod.
@@ -114,6 +132,7 @@ func New(cfg Config) *Standin {
 // outlive an agent restart; Run's end closes them all.
 func (z *Standin) Run(ctx context.Context) error {
 	defer z.closeAll()
+	z.record(RecordEntry{Event: "start"})
 	backoff := z.cfg.MinBackoff
 	for {
 		err := z.session(ctx)
@@ -183,7 +202,40 @@ func (z *Standin) session(ctx context.Context) error {
 		if _, err := uc.Write(resp); err != nil {
 			return fmt.Errorf("send ack: %w", err)
 		}
+		if isAdd && ackErr == "" {
+			z.recordAck(d)
+		}
 	}
+}
+
+// recordAck records the acknowledged Add in d (its workload as it runs
+// now).
+func (z *Standin) recordAck(d zds.Datagram) {
+	if z.cfg.Record == nil {
+		return
+	}
+	var req zdspb.WorkloadRequest
+	if proto.Unmarshal(d.Payload, &req) != nil {
+		return
+	}
+	uid := req.GetAdd().GetUid()
+	z.mu.Lock()
+	w := z.workloads[uid]
+	z.mu.Unlock()
+	if w != nil {
+		z.record(RecordEntry{Event: "ack", UID: uid, Pod: w.info.Namespace + "/" + w.info.Name, NetNS: w.info.NetNS.String()})
+	}
+}
+
+func (z *Standin) record(e RecordEntry) {
+	if z.cfg.Record == nil {
+		return
+	}
+	e.Time = time.Now()
+	line, _ := json.Marshal(e)
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	z.cfg.Record.Write(append(line, '\n'))
 }
 
 func (z *Standin) protocolError(err error) error {
@@ -320,6 +372,7 @@ func (z *Standin) del(uid string) {
 	z.mu.Unlock()
 	if w != nil {
 		w.close()
+		z.record(RecordEntry{Event: "del", UID: uid})
 		z.log.Info("workload deleted", "uid", uid)
 	}
 }
@@ -337,6 +390,7 @@ func (z *Standin) dropUnnamed(named map[string]bool) {
 	for _, w := range drop {
 		z.log.Info("workload not in snapshot; dropped", "uid", w.info.UID)
 		w.close()
+		z.record(RecordEntry{Event: "del", UID: w.info.UID})
 	}
 }
 

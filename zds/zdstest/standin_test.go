@@ -1,12 +1,16 @@
 package zdstest_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -307,5 +311,75 @@ func dial(nsPath string, port int) error {
 			return err
 		}
 		return c.Close()
+	})
+}
+
+// lockedBuffer is a Record a test reads while the stand-in writes.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) events() []string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var out []string
+	for _, line := range strings.Split(strings.TrimSpace(b.buf.String()), "\n") {
+		var e ztunnel.RecordEntry
+		if err := json.Unmarshal([]byte(line), &e); err != nil {
+			return []string{"bad line " + line}
+		}
+		out = append(out, strings.TrimSpace(e.Event+" "+e.UID+" "+e.Pod+" "+e.NetNS))
+	}
+	return out
+}
+
+// The record is what a test outside the stand-in's process judges it by:
+// every acknowledged Add with its netns, and every workload it let go.
+func TestStandinRecordsAcksAndRemovals(t *testing.T) {
+	podA, podB := netnstest.New(t), netnstest.New(t)
+	idA, err := netns.IdentityOfPath(podA.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	idB, err := netns.IdentityOfPath(podB.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	agent, path := newFakeAgent(t)
+	rec := &lockedBuffer{}
+	runStandin(t, path, func(c *ztunnel.Config) {
+		c.Record = rec
+		c.Reject = func(uid string) string {
+			if uid == "refused" {
+				return "no"
+			}
+			return ""
+		}
+	})
+	c := agent.accept()
+	for uid, p := range map[string]*netnstest.NetNS{"a": podA, "b": podB, "refused": podB} {
+		c.request(add(uid), openFD(t, p.Path))
+	}
+	c.request(snapshotSent)
+	c.uc.Close()
+	c = agent.accept()
+	c.request(keep("a"))
+	c.request(snapshotSent)
+	c.request(del("a"))
+	want := []string{"start", "ack a ns/p-a " + idA.String(), "ack b ns/p-b " + idB.String(), "del b", "del a"}
+	testkit.Eventually(t, 5*time.Second, "the record", func() bool {
+		got := rec.events()
+		if len(got) != len(want) {
+			return false
+		}
+		slices.Sort(got[1:3]) // the adds went out in map order
+		return slices.Equal(got, want)
 	})
 }
