@@ -283,6 +283,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		Logger:      a.log,
 	})
 	a.pipeline = p.pipeline
+	a.Metrics.TrackEnrolled(func() int { return len(p.pipeline.Enrolled()) })
 	if p.zds, err = zds.NewServer(zds.Config{SocketPath: cfg.ZDSSocket, Source: p.pipeline, Logger: a.log}); err != nil {
 		return nil, err
 	}

@@ -43,6 +43,9 @@ type Metrics struct {
 	mu        sync.Mutex
 	published bool
 	lastReady float64
+	// tracked counts the pods the agent holds as enrolled (set once the
+	// pipeline exists).
+	tracked func() int
 }
 
 // NewMetrics registers every series.
@@ -85,9 +88,28 @@ func NewMetrics() *Metrics {
 		prepareRefusals: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_dra_prepare_refusals_total",
 			Help: "Claims the DRA gate refused to prepare because the node was not ready."}),
 	}
+	r.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "inpod_enrolled_pods",
+		Help: "Pods the agent holds as enrolled (or held for a restore) now; a soak compares it with the pods that exist."}, m.trackedPods))
 	r.MustRegister(m.slicePublishes, m.sliceTaintChanges, m.sliceLatency, m.prepareRefusals, m.gateRegistrations, m.gateHealthFlips, m.conditionWrites, m.conditionFailures, m.enrollments, m.failures, m.removals, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
+}
+
+// TrackEnrolled makes inpod_enrolled_pods read n.
+func (m *Metrics) TrackEnrolled(n func() int) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.tracked = n
+}
+
+func (m *Metrics) trackedPods() float64 {
+	m.mu.Lock()
+	n := m.tracked
+	m.mu.Unlock()
+	if n == nil {
+		return 0
+	}
+	return float64(n())
 }
 
 // Enrolled implements enroll.Observer.
