@@ -1,0 +1,955 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"math/rand"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/e2e/chart"
+	"github.com/inpod-dev/inpod/e2e/images"
+	"github.com/inpod-dev/inpod/internal/testkit"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
+)
+
+// The soak: inpod installed by its chart on the real node while pods come
+// and go and faults strike at random moments, judged from outside inpod
+// (each pod's netns in the kernel, the stand-in's record, the kubelet's
+// log). INPOD_SOAK_DURATION (default 3m) is how long the churn runs,
+// INPOD_SOAK_SEED replays a run's choices (the same sequence of actions and
+// faults; their interleaving with the node's own timing differs),
+// INPOD_SOAK_MIN_PODS fails a run that created fewer pods (make soak: 500).
+//
+// How each pod is judged, once, at its first sighting Running:
+//   - by the label its namespace had from its creation (-2 s) to its
+//     container's start (+2 s): mesh always, plain never, flip toggled by a
+//     fault. A label constant over that window decides; a pod whose window
+//     saw a flip may be either, but must be wholly one or the other;
+//   - enrolled at start = testapp found ztunnel's listeners bound in its
+//     netns before it ran. Such a pod must also have an Add acknowledged by
+//     a stand-in for its current netns (dev:ino) no later than its start
+//     (+1 s: startedAt has second precision), and its current netns must
+//     hold the redirection rules (unless its namespace's label changed
+//     since, when the agent may rightly have removed them);
+//   - not enrolled at start: no listeners, no inpod rules, and Running
+//     within plainBound of its creation plus any time the node was down
+//     for a fault (kubelet restart, API server stopped).
+//
+// The gate, judged from the agent's readiness (its inpod_node_ready,
+// sampled every 500 ms) against:
+//   - the kubelet's admission of each enrolled pod that ran (its first
+//     "SyncLoop ADD" log line): never while every readiness sample within
+//     ±1 s of it says not ready. The device plugin's health reaches the
+//     kubelet's device manager at once; the second covers the sampling;
+//   - the Node's allocatable: never > 0 after the agent has been not ready
+//     continuously for 15 s. The kubelet writes allocatable only at its
+//     node-status sync (nodeStatusUpdateFrequency, 10 s), so the scheduler
+//     may see a stale count that long; the kubelet's own admission (above)
+//     is what keeps pods off the node meanwhile.
+func TestE2ESoak(t *testing.T) {
+	dur := 3 * time.Minute
+	if v := os.Getenv("INPOD_SOAK_DURATION"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			t.Fatalf("INPOD_SOAK_DURATION: %v", err)
+		}
+		dur = d
+	}
+	seed := time.Now().UnixNano()
+	if v := os.Getenv("INPOD_SOAK_SEED"); v != "" {
+		s, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			t.Fatalf("INPOD_SOAK_SEED: %v", err)
+		}
+		seed = s
+	}
+	minPods := 0
+	if v := os.Getenv("INPOD_SOAK_MIN_PODS"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			t.Fatalf("INPOD_SOAK_MIN_PODS: %v", err)
+		}
+		minPods = n
+	}
+	t.Logf("soak: seed %d, duration %s (replay: INPOD_SOAK_SEED=%d INPOD_SOAK_DURATION=%s)", seed, dur, seed, dur)
+
+	ctx, cancel := context.WithTimeout(context.Background(), dur+25*time.Minute)
+	defer cancel()
+	c := newChartNode(ctx, t, "/var/lib/inpod-e2e-soak")
+	s := &soak{t: t, c: c, ctx: ctx, start: time.Now(), pods: map[string]*soakPod{}, created: map[string]int{},
+		faults: map[string]int{}, outcomes: map[string]int{}, judged: map[string]*soakPod{}}
+	if _, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "flip"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	s.labels = []labelChange{{at: time.Now().Add(-time.Hour), labelled: false}}
+	s.conflist = filepath.Join(c.CNIConf, "10-e2e.conflist")
+	var err error
+	if s.unchained, err = os.ReadFile(s.conflist); err != nil {
+		t.Fatal(err)
+	}
+	s.recordDir = filepath.Join(filepath.Dir(c.target.ZDSSocket()), "standin-record")
+	c.install(t)
+	c.waitRequestPolicy(t)
+	s.standInUp(t)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("kubelet log tail:\n%s", c.Logs("kubelet", 40))
+		}
+	})
+	if err := s.recovered(5 * time.Minute); err != nil {
+		t.Fatalf("inpod not ready at the start: %v", err)
+	}
+	base := s.measure(t)
+	s.base = base
+	t.Logf("soak: baseline %s", base)
+
+	churnCtx, stopChurn := context.WithTimeout(ctx, dur)
+	defer stopChurn()
+	var wg sync.WaitGroup
+	samplerCtx, stopSampler := context.WithCancel(ctx)
+	defer stopSampler()
+	wg.Add(4)
+	go func() { defer wg.Done(); s.churn(churnCtx, rand.New(rand.NewSource(seed))) }()
+	go func() { defer wg.Done(); s.inject(churnCtx, rand.New(rand.NewSource(seed+1))) }()
+	go func() { defer wg.Done(); s.sampleReadiness(samplerCtx) }()
+	go func() { defer wg.Done(); s.judgeLoop(samplerCtx) }()
+	<-churnCtx.Done()
+	// The churn and faults stop; every pod still waiting is judged, or
+	// reported stuck, before the end-state checks.
+	if err := s.recovered(6 * time.Minute); err != nil {
+		s.violate("the node did not recover after the run: %v", err)
+	}
+	if err := testkit.Poll(6*time.Minute, "every soak pod judged", func() (bool, error) { return s.unjudged() == 0, nil }); err != nil {
+		s.violate("%d pods never judged: %v", s.unjudged(), err)
+	}
+	stopSampler()
+	wg.Wait()
+	s.checkLive()
+	s.checkAdmissions()
+	leaks := s.drainAndCheckLeaks(base)
+	s.summary(leaks, seed, dur)
+	total := s.created["mesh"] + s.created["plain"] + s.created["flip"]
+	if total < minPods {
+		t.Errorf("soak created %d pods, want at least %d (INPOD_SOAK_MIN_PODS)", total, minPods)
+	}
+	if len(s.violations) > 0 || len(leaks) > 0 {
+		t.Errorf("soak failed: %d invariant violations, %d leaks; replay with INPOD_SOAK_SEED=%d INPOD_SOAK_DURATION=%s", len(s.violations), len(leaks), seed, dur)
+	}
+}
+
+// plainBound is how long a pod outside the mesh may take to run, on a
+// loaded two-core machine with bursts of 20 pods, plus node-down time.
+const plainBound = 2 * time.Minute
+
+// enrolledBound is how long an enrolled pod may wait (fail closed is right
+// only while the node is not ready; a longer wait is a wedged node).
+const enrolledBound = 5 * time.Minute
+
+// maxLive bounds the soak's pods alive at once (the machine has 2 cores).
+const maxLive = 30
+
+type soakPod struct {
+	ns, name string
+	created  time.Time
+	judged   bool
+	// enrolled: ran redirected (judged); uid and netns as seen then.
+	enrolled   bool
+	uid, netns string
+	ip         string
+	started    time.Time
+}
+
+type labelChange struct {
+	at       time.Time
+	labelled bool
+}
+
+type interval struct{ from, to time.Time }
+
+type readySample struct {
+	at    time.Time
+	ready float64 // 1, 0, or -1 when unreadable (the agent down)
+}
+
+type soak struct {
+	t         *testing.T
+	c         *chartNode
+	ctx       context.Context
+	start     time.Time
+	conflist  string
+	unchained []byte
+	recordDir string
+
+	mu         sync.Mutex
+	seq        int
+	pods       map[string]*soakPod // by ns/name
+	created    map[string]int      // by namespace
+	faults     map[string]int      // by kind
+	outcomes   map[string]int      // judged outcomes
+	violations []string
+	labels     []labelChange // the flip namespace's label, in order
+	nodeDown   []interval
+	ready      []readySample
+	revision   int
+	// judged keeps every judged pod, deleted or not, for the end checks.
+	judged map[string]*soakPod
+	// end is the last measurement of the settle poll.
+	end, base measurement
+}
+
+func (s *soak) violate(format string, args ...any) {
+	msg := fmt.Sprintf("%s +%s: ", time.Now().UTC().Format("15:04:05.000"), time.Since(s.start).Round(time.Second)) + fmt.Sprintf(format, args...)
+	s.mu.Lock()
+	s.violations = append(s.violations, msg)
+	s.mu.Unlock()
+	s.t.Logf("VIOLATION %s", msg)
+}
+
+func (s *soak) logf(format string, args ...any) {
+	s.t.Logf("soak +%s: %s", time.Since(s.start).Round(time.Second), fmt.Sprintf(format, args...))
+}
+
+// standInUp runs the stand-in DaemonSet with its record on the host (one
+// file per stand-in pod) and an update strategy that starts the new pod
+// before the old one leaves, as a ztunnel upgrade does.
+func (s *soak) standInUp(t *testing.T) {
+	ds := chart.StandIn(images.DevTag, s.c.target.ZDSSocket())
+	ctr := &ds.Spec.Template.Spec.Containers[0]
+	ctr.Env = append(ctr.Env,
+		corev1.EnvVar{Name: "POD_NAME", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "metadata.name"}}},
+		corev1.EnvVar{Name: "INPOD_RECORD", Value: filepath.Join(s.recordDir, "$(POD_NAME).jsonl")})
+	surge, unavailable := intstr.FromInt32(1), intstr.FromInt32(0)
+	ds.Spec.UpdateStrategy = appsv1.DaemonSetUpdateStrategy{Type: appsv1.RollingUpdateDaemonSetStrategyType,
+		RollingUpdate: &appsv1.RollingUpdateDaemonSet{MaxSurge: &surge, MaxUnavailable: &unavailable}}
+	if _, err := s.c.Client.AppsV1().DaemonSets(chart.Namespace).Create(s.ctx, ds, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		s.c.Client.AppsV1().DaemonSets(chart.Namespace).Delete(context.Background(), "ztunnel-standin", metav1.DeleteOptions{})
+	})
+}
+
+// recovered waits until the node serves again after a fault: the API
+// answers, the Node is Ready, the agent reports ready, and exactly one
+// stand-in pod runs.
+func (s *soak) recovered(timeout time.Duration) error {
+	return testkit.Poll(timeout, "the node recovered (API, Node Ready, agent ready, one stand-in)", func() (bool, error) {
+		if s.ctx.Err() != nil {
+			return false, s.ctx.Err()
+		}
+		if nodeCondition(s.ctx, s.c.Node, corev1.NodeReady) != corev1.ConditionTrue || agentMetric(agentMetricsPort, "inpod_node_ready") != 1 {
+			return false, nil
+		}
+		l, err := s.c.Client.CoreV1().Pods(chart.Namespace).List(s.ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=ztunnel-standin"})
+		return err == nil && len(l.Items) == 1, nil
+	})
+}
+
+// measure is what the agent holds with no soak pod: its fds, sockets and
+// netns references, its goroutines, and inpod's host nf_tables objects.
+type measurement struct {
+	fds        fdCounts
+	goroutines float64
+	objects    int
+}
+
+func (m measurement) String() string {
+	return fmt.Sprintf("agent %s goroutines=%.0f, host inpod nf_tables objects=%d", m.fds, m.goroutines, m.objects)
+}
+
+func (s *soak) measureNow() (measurement, error) {
+	pids := containerProcs(s.c.Containerd, "inpod-agent")
+	if len(pids) != 1 {
+		return measurement{}, fmt.Errorf("%d inpod-agent processes", len(pids))
+	}
+	fds, err := openFDs(pids[0])
+	if err != nil {
+		return measurement{}, err
+	}
+	g := agentMetric(agentMetricsPort, "go_goroutines")
+	if g < 0 {
+		return measurement{}, fmt.Errorf("agent metrics unreadable")
+	}
+	objects, _, err := hostInpodObjects()
+	if err != nil {
+		return measurement{}, err
+	}
+	return measurement{fds: fds, goroutines: g, objects: objects}, nil
+}
+
+func (s *soak) measure(t *testing.T) measurement {
+	t.Helper()
+	var m measurement
+	err := testkit.Poll(time.Minute, "the agent measured", func() (bool, error) {
+		var err error
+		m, err = s.measureNow()
+		return err == nil, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// --- churn -------------------------------------------------------------
+
+func (s *soak) newPod(ns string) (*corev1.Pod, *soakPod) {
+	s.mu.Lock()
+	s.seq++
+	name := fmt.Sprintf("soak-%d", s.seq)
+	s.mu.Unlock()
+	p := testAppPod(ns, name)
+	p.Labels["soak"] = "1"
+	return p, &soakPod{ns: ns, name: name}
+}
+
+func (s *soak) create(ns string) bool {
+	p, sp := s.newPod(ns)
+	sp.created = time.Now()
+	if _, err := s.c.Client.CoreV1().Pods(ns).Create(s.ctx, p, metav1.CreateOptions{}); err != nil {
+		return false // the API down for a fault: the churn goes on
+	}
+	s.mu.Lock()
+	s.pods[ns+"/"+sp.name] = sp
+	s.created[ns]++
+	s.mu.Unlock()
+	return true
+}
+
+func (s *soak) live() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.pods)
+}
+
+func (s *soak) unjudged() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for _, p := range s.pods {
+		if !p.judged {
+			n++
+		}
+	}
+	return n
+}
+
+// deleteJudged deletes up to n judged pods (a pod is deleted only once its
+// judgment is in, so every pod is judged).
+func (s *soak) deleteJudged(r *rand.Rand, n int) {
+	s.mu.Lock()
+	var keys []string
+	for k, p := range s.pods {
+		if p.judged {
+			keys = append(keys, k)
+		}
+	}
+	s.mu.Unlock()
+	sort.Strings(keys)
+	r.Shuffle(len(keys), func(i, j int) { keys[i], keys[j] = keys[j], keys[i] })
+	for _, k := range keys[:min(n, len(keys))] {
+		ns, name, _ := strings.Cut(k, "/")
+		if err := s.c.Client.CoreV1().Pods(ns).Delete(s.ctx, name, metav1.DeleteOptions{}); err == nil {
+			s.mu.Lock()
+			delete(s.pods, k)
+			s.mu.Unlock()
+		}
+	}
+}
+
+// churn creates pods (mesh, plain, flip; a burst of 20 now and then) and
+// deletes judged ones, about one action a second.
+func (s *soak) churn(ctx context.Context, r *rand.Rand) {
+	pick := func() string {
+		switch x := r.Intn(100); {
+		case x < 45:
+			return "mesh"
+		case x < 85:
+			return "plain"
+		default:
+			return "flip"
+		}
+	}
+	for ctx.Err() == nil {
+		switch x := r.Intn(100); {
+		case s.live() >= maxLive:
+			s.deleteJudged(r, maxLive/3)
+		case x < 5 && s.live() <= maxLive-20:
+			s.logf("burst of 20 pods")
+			for range 20 {
+				s.create(pick())
+			}
+		case x < 30:
+			s.deleteJudged(r, 1+r.Intn(3))
+		default:
+			s.create(pick())
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Duration(500+r.Intn(1500)) * time.Millisecond): // pacing, not synchronisation
+		}
+	}
+}
+
+// --- faults ------------------------------------------------------------
+
+var faultKinds = []string{"agent-sigkill", "agent-pod-delete", "standin-kill", "standin-upgrade", "kubelet-restart",
+	"conflist-clobber", "apiserver-stop", "namespace-flip"}
+
+// inject strikes a fault every 10 to 25 s (each kind once, in a seeded
+// order, before any repeats), waiting for the node to recover after each.
+func (s *soak) inject(ctx context.Context, r *rand.Rand) {
+	order := append([]string(nil), faultKinds...)
+	r.Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
+	for i := 0; ; i++ {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(time.Duration(10+r.Intn(15)) * time.Second): // a random moment
+		}
+		kind := order[i%len(order)]
+		if i >= len(order) {
+			kind = faultKinds[r.Intn(len(faultKinds))]
+		}
+		s.logf("fault %s", kind)
+		if err := s.fault(kind, r); err != nil {
+			s.violate("fault %s could not be injected: %v", kind, err)
+			continue
+		}
+		s.mu.Lock()
+		s.faults[kind]++
+		s.mu.Unlock()
+		if err := s.recovered(6 * time.Minute); err != nil {
+			s.violate("the node did not recover after %s: %v", kind, err)
+		}
+	}
+}
+
+func (s *soak) fault(kind string, r *rand.Rand) error {
+	client := s.c.Client
+	switch kind {
+	case "agent-sigkill", "standin-kill":
+		comm := map[string]string{"agent-sigkill": "inpod-agent", "standin-kill": "ztunnel-standin"}[kind]
+		pids := containerProcs(s.c.Containerd, comm)
+		if len(pids) == 0 {
+			return fmt.Errorf("no %s process", comm)
+		}
+		for _, pid := range pids {
+			if err := unix.Kill(pid, unix.SIGKILL); err != nil {
+				return err
+			}
+		}
+	case "agent-pod-delete":
+		old := agentReady(s.t, s.ctx, s.c.Node)
+		if old == "" {
+			return fmt.Errorf("no Ready agent pod")
+		}
+		if err := client.CoreV1().Pods(chart.Namespace).Delete(s.ctx, old, metav1.DeleteOptions{}); err != nil {
+			return err
+		}
+		return testkit.Poll(3*time.Minute, "a new agent pod Ready", func() (bool, error) {
+			name := agentReady(s.t, s.ctx, s.c.Node)
+			return name != "" && name != old, nil
+		})
+	case "standin-upgrade":
+		// A new template: the DaemonSet starts the new stand-in (it
+		// connects; the agent sends it the snapshot), then stops the old.
+		s.revision++
+		patch := fmt.Sprintf(`{"spec":{"template":{"metadata":{"annotations":{"soak/revision":"%d"}}}}}`, s.revision)
+		if _, err := client.AppsV1().DaemonSets(chart.Namespace).Patch(s.ctx, "ztunnel-standin", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+			return err
+		}
+		return testkit.Poll(3*time.Minute, "the stand-in rolled out", func() (bool, error) {
+			ds, err := client.AppsV1().DaemonSets(chart.Namespace).Get(s.ctx, "ztunnel-standin", metav1.GetOptions{})
+			return err == nil && ds.Status.ObservedGeneration >= ds.Generation && ds.Status.UpdatedNumberScheduled == 1 &&
+				ds.Status.NumberAvailable == 1 && ds.Status.DesiredNumberScheduled == 1, nil
+		})
+	case "kubelet-restart":
+		from := time.Now()
+		err := s.c.RestartKubelet(s.ctx)
+		if err == nil {
+			err = testkit.Poll(3*time.Minute, "the Node Ready again", func() (bool, error) {
+				return nodeCondition(s.ctx, s.c.Node, corev1.NodeReady) == corev1.ConditionTrue, nil
+			})
+		}
+		s.mu.Lock()
+		s.nodeDown = append(s.nodeDown, interval{from, time.Now()})
+		s.mu.Unlock()
+		return err
+	case "conflist-clobber":
+		if err := os.WriteFile(s.conflist, s.unchained, 0o644); err != nil {
+			return err
+		}
+		return testkit.Poll(2*time.Minute, "the plugin chained again", func() (bool, error) {
+			data, err := os.ReadFile(s.conflist)
+			return err == nil && bytes.Contains(data, []byte(`"inpod-cni"`)), nil
+		})
+	case "apiserver-stop":
+		from := time.Now()
+		s.c.StopAPIServer()
+		select {
+		case <-s.ctx.Done():
+		case <-time.After(time.Duration(3+r.Intn(6)) * time.Second): // the outage's length
+		}
+		err := s.c.StartAPIServer(s.ctx)
+		s.mu.Lock()
+		s.nodeDown = append(s.nodeDown, interval{from, time.Now()})
+		s.mu.Unlock()
+		return err
+	case "namespace-flip":
+		// Pods created just before and just after the label changes, so
+		// their sandboxes start around it.
+		for range 3 {
+			s.create("flip")
+		}
+		s.mu.Lock()
+		to := !s.labels[len(s.labels)-1].labelled
+		s.mu.Unlock()
+		value := "null"
+		if to {
+			value = strconv.Quote(enroll.DataplaneAmbient)
+		}
+		patch := fmt.Sprintf(`{"metadata":{"labels":{%q:%s}}}`, enroll.DataplaneModeLabel, value)
+		sent := time.Now()
+		if _, err := client.CoreV1().Namespaces().Patch(s.ctx, "flip", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+			return err
+		}
+		s.mu.Lock()
+		// The change took effect between sent and now: the window rule
+		// widens by 2 s either side anyway.
+		s.labels = append(s.labels, labelChange{at: sent, labelled: to})
+		s.mu.Unlock()
+		s.logf("namespace flip labelled=%v", to)
+		for range 3 {
+			s.create("flip")
+		}
+	}
+	return nil
+}
+
+// --- readiness ---------------------------------------------------------
+
+// sampleReadiness samples the agent's readiness every 500 ms, and the
+// Node's allocatable every 2 s against it.
+func (s *soak) sampleReadiness(ctx context.Context) {
+	tick := time.NewTicker(500 * time.Millisecond)
+	defer tick.Stop()
+	for i := 0; ; i++ {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		v := agentMetric(agentMetricsPort, "inpod_node_ready")
+		s.mu.Lock()
+		s.ready = append(s.ready, readySample{time.Now(), v})
+		s.mu.Unlock()
+		if i%4 != 0 {
+			continue
+		}
+		if a := allocatable(ctx, s.c.Node, gateResource); a > 0 {
+			if since, ok := s.notReadySince(time.Now()); ok && time.Since(since) > 15*time.Second {
+				s.violate("the Node offers %s=%d while the agent has been not ready since %s (%s)", gateResource, a,
+					since.UTC().Format("15:04:05.000"), time.Since(since).Round(time.Millisecond))
+			}
+		}
+	}
+}
+
+// notReadySince is the start of the run of not-ready samples ending at t
+// (an unreadable sample breaks the run: the agent's state is unknown).
+func (s *soak) notReadySince(t time.Time) (time.Time, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var since time.Time
+	for i := len(s.ready) - 1; i >= 0; i-- {
+		r := s.ready[i]
+		if r.at.After(t) {
+			continue
+		}
+		if r.ready != 0 {
+			break
+		}
+		since = r.at
+	}
+	return since, !since.IsZero()
+}
+
+// checkAdmissions: no enrolled pod that ran was admitted by the kubelet
+// while every readiness sample around the admission said not ready.
+func (s *soak) checkAdmissions() {
+	adm, err := kubeletAdmissions(filepath.Join(filepath.Dir(s.c.Kubeconfig), "logs", "kubelet.log"))
+	if err != nil {
+		s.violate("the kubelet's log: %v", err)
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	checked := 0
+	for k, p := range s.judged {
+		if !p.enrolled {
+			continue
+		}
+		at, ok := adm[k]
+		if !ok {
+			continue
+		}
+		checked++
+		known, notReady := 0, 0
+		for _, r := range s.ready {
+			if r.at.Before(at.Add(-time.Second)) || r.at.After(at.Add(time.Second)) || r.ready < 0 {
+				continue
+			}
+			known++
+			if r.ready == 0 {
+				notReady++
+			}
+		}
+		if known >= 2 && notReady == known {
+			msg := fmt.Sprintf("enrolled %s was admitted by the kubelet at %s while the agent reported not ready (%d samples within ±1 s)", k, at.UTC().Format("15:04:05.000000"), known)
+			s.violations = append(s.violations, msg)
+			s.t.Logf("VIOLATION %s", msg)
+		}
+	}
+	s.outcomes["admissions checked"] = checked
+}
+
+// --- judging -----------------------------------------------------------
+
+// labelledOver says what the pod's namespace label was over [from, to]:
+// constant (labelled true/false) or flipped within it (ok false).
+func (s *soak) labelledOver(ns string, from, to time.Time) (labelled, constant bool) {
+	switch ns {
+	case "mesh":
+		return true, true
+	case "plain":
+		return false, true
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	state := s.labels[0].labelled
+	for _, c := range s.labels[1:] {
+		if !c.at.After(from) {
+			state = c.labelled
+			continue
+		}
+		if !c.at.After(to) && c.labelled != state {
+			return false, false
+		}
+	}
+	return state, true
+}
+
+func (s *soak) downDuring(from, to time.Time) time.Duration {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var d time.Duration
+	for _, iv := range s.nodeDown {
+		lo, hi := max(iv.from.UnixNano(), from.UnixNano()), min(iv.to.UnixNano(), to.UnixNano())
+		if hi > lo {
+			d += time.Duration(hi - lo)
+		}
+	}
+	return d
+}
+
+// judgeLoop judges pods as they start, every 2 s.
+func (s *soak) judgeLoop(ctx context.Context) {
+	for ctx.Err() == nil {
+		s.judgeRound()
+		select {
+		case <-ctx.Done():
+		case <-time.After(2 * time.Second):
+		}
+	}
+	s.judgeRound()
+}
+
+func (s *soak) judgeRound() {
+	var byIP map[string]string
+	records := standinRecords(s.recordDir)
+	for _, ns := range []string{"mesh", "plain", "flip"} {
+		l, err := s.c.Client.CoreV1().Pods(ns).List(s.ctx, metav1.ListOptions{LabelSelector: "soak=1"})
+		if err != nil {
+			return // the API down for a fault
+		}
+		for i := range l.Items {
+			p := &l.Items[i]
+			key := ns + "/" + p.Name
+			s.mu.Lock()
+			sp := s.pods[key]
+			s.mu.Unlock()
+			if sp == nil || sp.judged || p.DeletionTimestamp != nil {
+				continue
+			}
+			if byIP == nil && p.Status.PodIP != "" {
+				byIP = netnsByIP()
+			}
+			s.judge(sp, p, byIP, records)
+		}
+	}
+}
+
+func (s *soak) done(sp *soakPod, outcome string) {
+	s.mu.Lock()
+	sp.judged = true
+	s.outcomes[outcome]++
+	s.judged[sp.ns+"/"+sp.name] = sp
+	s.mu.Unlock()
+}
+
+func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records map[string][]ztunnel.RecordEntry) {
+	key := sp.ns + "/" + sp.name
+	created := p.CreationTimestamp.Time
+	var running *corev1.ContainerStateRunning
+	if len(p.Status.ContainerStatuses) > 0 {
+		running = p.Status.ContainerStatuses[0].State.Running
+	}
+	if p.Status.Phase == corev1.PodFailed {
+		if labelled, constant := s.labelledOver(sp.ns, created.Add(-2*time.Second), time.Now()); constant && !labelled {
+			s.violate("%s outside the mesh failed: %s %s", key, p.Status.Reason, p.Status.Message)
+		}
+		// An enrolled pod refused at admission (the kubelet's device
+		// manager while not ready) fails closed: allowed.
+		s.done(sp, "failed ("+p.Status.Reason+")")
+		return
+	}
+	if p.Status.Phase != corev1.PodRunning || running == nil || p.Status.PodIP == "" {
+		waited := time.Since(sp.created) - s.downDuring(sp.created, time.Now())
+		labelled, constant := s.labelledOver(sp.ns, created.Add(-2*time.Second), time.Now())
+		switch {
+		case constant && !labelled && waited > plainBound:
+			s.violate("%s outside the mesh not Running after %s (node-down time excluded): %s", key, waited.Round(time.Second), podSummary(p))
+			s.done(sp, "blocked")
+		case waited > enrolledBound:
+			s.violate("%s not Running after %s (node-down time excluded): the node wedged: %s", key, waited.Round(time.Second), podSummary(p))
+			s.done(sp, "wedged")
+		}
+		return
+	}
+	started := running.StartedAt.Time
+	listeners, err := s.listenersAtStart(p)
+	if err != nil {
+		return // the API down: next round
+	}
+	name, ok := byIP[p.Status.PodIP]
+	if !ok {
+		return // the netns map is older than the pod: next round
+	}
+	rules, id, err := netnsRules(name)
+	if err != nil {
+		return // deleted meanwhile
+	}
+	redirected := strings.Contains(rules, "15001") && strings.Contains(rules, "15006")
+	anyInpod := strings.Contains(rules, "15001") || strings.Contains(rules, "15006")
+	labelled, constant := s.labelledOver(sp.ns, created.Add(-2*time.Second), started.Add(2*time.Second))
+	_, unchangedSince := s.labelledOver(sp.ns, created.Add(-2*time.Second), time.Now().Add(2*time.Second))
+	sp.uid, sp.netns, sp.ip, sp.started = string(p.UID), id, p.Status.PodIP, started
+	switch listeners {
+	case allListeners:
+		sp.enrolled = true
+		if constant && !labelled {
+			s.violate("%s outside the mesh (namespace unlabelled over its start) was redirected: listeners %s", key, listeners)
+		}
+		if !ackedBefore(records, string(p.UID), id, started.Add(time.Second)) {
+			s.violate("enrolled %s (uid %s) runs in netns %s (%s) with no Add acknowledged for it by a stand-in before its start %s",
+				key, p.UID, name, id, started.UTC().Format(time.RFC3339))
+		}
+		if unchangedSince && !redirected {
+			s.violate("enrolled %s: its current netns %s has no redirection rules:\n%s", key, name, rules)
+		}
+		s.done(sp, "ran redirected")
+	case "[]":
+		if constant && labelled {
+			s.violate("enrolled %s ran unredirected: ztunnel's listeners were not in its netns at start (netns %s rules:\n%s)", key, name, rules)
+		}
+		if unchangedSince && anyInpod {
+			s.violate("%s outside the mesh has inpod's rules in its netns %s:\n%s", key, name, rules)
+		}
+		if waited := started.Sub(created) - s.downDuring(created, started); !labelled && constant && waited > plainBound {
+			s.violate("%s outside the mesh took %s to start (node-down time excluded)", key, waited.Round(time.Second))
+		}
+		s.done(sp, "ran outside the mesh")
+	default:
+		s.violate("%s started with part of ztunnel's listeners: %s", key, listeners)
+		s.done(sp, "partial")
+	}
+}
+
+func podSummary(p *corev1.Pod) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "phase=%s node=%q", p.Status.Phase, p.Spec.NodeName)
+	for _, c := range p.Status.Conditions {
+		if c.Status != corev1.ConditionTrue {
+			fmt.Fprintf(&b, " %s=%s(%s)", c.Type, c.Status, c.Message)
+		}
+	}
+	return b.String()
+}
+
+func (s *soak) listenersAtStart(p *corev1.Pod) (string, error) {
+	out, err := s.c.Client.CoreV1().Pods(p.Namespace).GetLogs(p.Name, &corev1.PodLogOptions{}).DoRaw(s.ctx)
+	if err != nil {
+		return "", err
+	}
+	for _, line := range strings.Split(string(out), "\n") {
+		if v, ok := strings.CutPrefix(line, "ztunnel listeners at start: "); ok {
+			return v, nil
+		}
+	}
+	return "", fmt.Errorf("no listeners line yet")
+}
+
+// checkLive checks, after the churn, every judged enrolled pod still
+// running from outside again: its current netns has the rules and the
+// current stand-in runs it in that netns.
+func (s *soak) checkLive() {
+	current := s.currentStandin()
+	byIP := netnsByIP()
+	s.mu.Lock()
+	var live []*soakPod
+	for _, p := range s.pods {
+		if p.judged && p.enrolled {
+			live = append(live, p)
+		}
+	}
+	s.mu.Unlock()
+	for _, p := range live {
+		if _, unchanged := s.labelledOver(p.ns, p.started.Add(-2*time.Second), time.Now()); !unchanged {
+			continue
+		}
+		name, ok := byIP[p.ip]
+		if !ok {
+			s.violate("enrolled %s/%s: no netns holds its address %s", p.ns, p.name, p.ip)
+			continue
+		}
+		rules, id, err := netnsRules(name)
+		if err != nil {
+			s.violate("enrolled %s/%s: %v", p.ns, p.name, err)
+			continue
+		}
+		if !strings.Contains(rules, "15001") || !strings.Contains(rules, "15006") {
+			s.violate("enrolled %s/%s at the end: its netns %s has no redirection rules", p.ns, p.name, name)
+		}
+		if got := current[p.uid]; got != id {
+			s.violate("enrolled %s/%s at the end: the current stand-in runs it in netns %q, the pod is in %s", p.ns, p.name, got, id)
+		}
+	}
+}
+
+// currentStandin is the running stand-in's workloads from its record.
+func (s *soak) currentStandin() map[string]string {
+	l, err := s.c.Client.CoreV1().Pods(chart.Namespace).List(s.ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=ztunnel-standin"})
+	if err != nil || len(l.Items) != 1 {
+		s.violate("not exactly one stand-in pod at the end (%v)", err)
+		return nil
+	}
+	return standinWorkloads(standinRecords(s.recordDir)[l.Items[0].Name])
+}
+
+// drainAndCheckLeaks deletes every soak pod and waits (a settle poll) until
+// nothing of them is left in the agent, the stand-in and the host probe
+// set, and the agent's resources are back to the baseline.
+func (s *soak) drainAndCheckLeaks(base measurement) []string {
+	for _, ns := range []string{"mesh", "plain", "flip"} {
+		if err := s.c.Client.CoreV1().Pods(ns).DeleteCollection(s.ctx, metav1.DeleteOptions{}, metav1.ListOptions{LabelSelector: "soak=1"}); err != nil {
+			s.violate("delete the soak's pods in %s: %v", ns, err)
+		}
+	}
+	for _, ns := range []string{"mesh", "plain", "flip"} {
+		waitPodsGone(s.t, s.ctx, s.c.Node, ns, "soak=1")
+	}
+	var leaks []string
+	err := testkit.Poll(3*time.Minute, "nothing of the deleted pods left", func() (bool, error) {
+		leaks = nil
+		if n := agentMetric(agentMetricsPort, "inpod_enrolled_pods"); n != 0 {
+			leaks = append(leaks, fmt.Sprintf("the agent holds %v pods as enrolled", n))
+		}
+		if ws := s.currentStandin(); len(ws) != 0 {
+			leaks = append(leaks, fmt.Sprintf("the stand-in runs %d workloads: %v", len(ws), ws))
+		}
+		m, err := s.measureNow()
+		if err != nil {
+			leaks = append(leaks, "measure: "+err.Error())
+			return false, nil
+		}
+		if _, members, err := hostInpodObjects(); err != nil || len(members) != 0 {
+			leaks = append(leaks, fmt.Sprintf("the host probe set holds %v (%v)", members, err))
+		}
+		if m.fds.fds > base.fds.fds || m.fds.sockets > base.fds.sockets || m.fds.netns > base.fds.netns {
+			leaks = append(leaks, fmt.Sprintf("the agent's %s, at the start %s", m.fds, base.fds))
+		}
+		if m.goroutines > base.goroutines {
+			leaks = append(leaks, fmt.Sprintf("the agent's goroutines %.0f, at the start %.0f", m.goroutines, base.goroutines))
+		}
+		if m.objects != base.objects {
+			leaks = append(leaks, fmt.Sprintf("inpod's host nf_tables objects %d, at the start %d", m.objects, base.objects))
+		}
+		s.mu.Lock()
+		s.end = m
+		s.mu.Unlock()
+		return len(leaks) == 0, nil
+	})
+	if err != nil {
+		s.t.Logf("settle poll: %v", err)
+	}
+	return leaks
+}
+
+func (s *soak) summary(leaks []string, seed int64, dur time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var b strings.Builder
+	fmt.Fprintf(&b, "\n=== soak summary (seed %d, duration %s, ran %s) ===\n", seed, dur, time.Since(s.start).Round(time.Second))
+	fmt.Fprintf(&b, "%-40s %6s\n", "pods created", "")
+	for _, ns := range []string{"mesh", "plain", "flip"} {
+		fmt.Fprintf(&b, "  %-38s %6d\n", ns, s.created[ns])
+	}
+	fmt.Fprintf(&b, "%-40s\n", "judged")
+	for _, k := range sortedKeys(s.outcomes) {
+		fmt.Fprintf(&b, "  %-38s %6d\n", k, s.outcomes[k])
+	}
+	fmt.Fprintf(&b, "%-40s\n", "faults")
+	for _, k := range faultKinds {
+		fmt.Fprintf(&b, "  %-38s %6d\n", k, s.faults[k])
+	}
+	fmt.Fprintf(&b, "%-40s %6d\n", "invariant violations", len(s.violations))
+	for _, v := range s.violations {
+		fmt.Fprintf(&b, "  %s\n", v)
+	}
+	fmt.Fprintf(&b, "resources at the start: %s\n", s.base)
+	fmt.Fprintf(&b, "resources at the end:   %s\n", s.end)
+	fmt.Fprintf(&b, "%-40s %6d\n", "leaks", len(leaks))
+	for _, l := range leaks {
+		fmt.Fprintf(&b, "  %s\n", l)
+	}
+	s.t.Log(b.String())
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
+}

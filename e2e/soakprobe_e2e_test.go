@@ -1,0 +1,236 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/inpod-dev/inpod/netns"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
+)
+
+// What the soak reads from outside inpod, without failing the test (it runs
+// in goroutines and tolerates an API or a process that is down for a
+// fault): the netns of every pod address, a netns's rules, the stand-in's
+// record, the agent process's open files and the kubelet's log.
+
+// netnsByIP maps every IPv4 address in a netns under /run/netns to that
+// netns's name.
+func netnsByIP() map[string]string {
+	out := map[string]string{}
+	entries, err := os.ReadDir("/run/netns")
+	if err != nil {
+		return out
+	}
+	for _, e := range entries {
+		b, err := exec.Command("ip", "-n", e.Name(), "-o", "-4", "addr", "show").Output()
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			f := strings.Fields(line)
+			for i := 0; i+1 < len(f); i++ {
+				if f[i] == "inet" {
+					ip, _, _ := strings.Cut(f[i+1], "/")
+					out[ip] = e.Name()
+				}
+			}
+		}
+	}
+	return out
+}
+
+// netnsRules is the netns's nf_tables ruleset (nft -a -s, as
+// netnsRuleset) and its identity (dev:ino, as the stand-in records it).
+func netnsRules(name string) (rules string, id string, err error) {
+	ident, err := netns.IdentityOfPath(filepath.Join("/run/netns", name))
+	if err != nil {
+		return "", "", err
+	}
+	b, err := exec.Command("ip", "netns", "exec", name, "nft", "-a", "-s", "list", "ruleset").CombinedOutput()
+	if err != nil {
+		return "", "", fmt.Errorf("nft in %s: %v: %s", name, err, b)
+	}
+	return string(b), ident.String(), nil
+}
+
+// standinRecords reads every stand-in process's record under dir (one file
+// per stand-in pod, appended by each of its container's runs).
+func standinRecords(dir string) map[string][]ztunnel.RecordEntry {
+	out := map[string][]ztunnel.RecordEntry{}
+	files, _ := filepath.Glob(filepath.Join(dir, "*.jsonl"))
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		var es []ztunnel.RecordEntry
+		for _, line := range strings.Split(string(b), "\n") {
+			var e ztunnel.RecordEntry
+			if json.Unmarshal([]byte(line), &e) == nil {
+				es = append(es, e)
+			}
+		}
+		out[strings.TrimSuffix(filepath.Base(f), ".jsonl")] = es
+	}
+	return out
+}
+
+// ackedBefore reports whether any stand-in acknowledged an Add for uid in
+// the netns id at or before t.
+func ackedBefore(records map[string][]ztunnel.RecordEntry, uid, id string, t time.Time) bool {
+	for _, es := range records {
+		for _, e := range es {
+			if e.Event == "ack" && e.UID == uid && e.NetNS == id && !e.Time.After(t) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// standinWorkloads replays one stand-in's record: its workloads now (uid →
+// netns), from its last start.
+func standinWorkloads(es []ztunnel.RecordEntry) map[string]string {
+	ws := map[string]string{}
+	for _, e := range es {
+		switch e.Event {
+		case "start":
+			ws = map[string]string{}
+		case "ack":
+			ws[e.UID] = e.NetNS
+		case "del":
+			delete(ws, e.UID)
+		}
+	}
+	return ws
+}
+
+// containerProcs lists the pids of the node's running containers (their
+// first process, as the node's containerd reports its tasks) whose comm is
+// name: only this node's, never a process of the host's or another test's.
+func containerProcs(containerd, name string) []int {
+	b, err := exec.Command("ctr", "--address", containerd, "-n", "k8s.io", "tasks", "ls").Output()
+	if err != nil {
+		return nil
+	}
+	var out []int
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 3 || f[2] != "RUNNING" {
+			continue
+		}
+		pid, err := strconv.Atoi(f[1])
+		if err != nil {
+			continue
+		}
+		if c, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid)); err == nil && strings.TrimSpace(string(c)) == name {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+// fdCounts counts a process's open fds: all, sockets, and network
+// namespaces (the agent holds a pod's netns only while it works on it).
+type fdCounts struct{ fds, sockets, netns int }
+
+func (c fdCounts) String() string {
+	return fmt.Sprintf("fds=%d sockets=%d netns=%d", c.fds, c.sockets, c.netns)
+}
+
+func openFDs(pid int) (fdCounts, error) {
+	dir := fmt.Sprintf("/proc/%d/fd", pid)
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return fdCounts{}, err
+	}
+	var c fdCounts
+	for _, e := range entries {
+		target, err := os.Readlink(filepath.Join(dir, e.Name()))
+		if err != nil {
+			continue
+		}
+		c.fds++
+		switch {
+		case strings.HasPrefix(target, "socket:"):
+			c.sockets++
+		case strings.HasPrefix(target, "net:"):
+			c.netns++
+		}
+	}
+	return c, nil
+}
+
+// hostInpodObjects counts the nf_tables objects (tables, chains, sets,
+// rules: everything with a handle) of inpod's own host table, and lists the
+// addresses in its probe sets.
+func hostInpodObjects() (objects int, members []string, err error) {
+	b, err := exec.Command("nft", "-a", "list", "table", "inet", "inpod-host").CombinedOutput()
+	if err != nil {
+		if strings.Contains(string(b), "No such file") {
+			return 0, nil, nil
+		}
+		return 0, nil, fmt.Errorf("nft list table inet inpod-host: %v: %s", err, b)
+	}
+	text := string(b)
+	objects = strings.Count(text, "# handle ")
+	for _, line := range strings.Split(text, "\n") {
+		if _, els, ok := strings.Cut(line, "elements = {"); ok {
+			els, _, _ = strings.Cut(els, "}")
+			for _, m := range strings.Split(els, ",") {
+				if m = strings.TrimSpace(m); m != "" {
+					members = append(members, m)
+				}
+			}
+		}
+	}
+	return objects, members, nil
+}
+
+// kubeletAdmissions are the times the kubelet first took each pod ("SyncLoop
+// ADD", logged just before its admission checks) from its log, by ns/name.
+// A kubelet restart logs every pod again; the first line counts.
+func kubeletAdmissions(logPath string) (map[string]time.Time, error) {
+	f, err := os.Open(logPath)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	out := map[string]time.Time{}
+	year := time.Now().Year()
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.Contains(line, `"SyncLoop ADD"`) || len(line) < 21 {
+			continue
+		}
+		// klog: Lmmdd hh:mm:ss.uuuuuu
+		ts, err := time.ParseInLocation("0102 15:04:05.000000", line[1:21], time.Local)
+		if err != nil {
+			continue
+		}
+		ts = ts.AddDate(year, 0, 0)
+		_, pods, ok := strings.Cut(line, "pods=[")
+		if !ok {
+			continue
+		}
+		pods, _, _ = strings.Cut(pods, "]")
+		for _, p := range strings.Split(pods, ",") {
+			p = strings.Trim(strings.TrimSpace(p), `"`)
+			if _, seen := out[p]; !seen && p != "" {
+				out[p] = ts
+			}
+		}
+	}
+	return out, sc.Err()
+}
