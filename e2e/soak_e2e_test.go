@@ -44,10 +44,12 @@ import (
 //     container's start (+2 s): mesh always, plain never, flip toggled by a
 //     fault. A label constant over that window decides; a pod whose window
 //     saw a flip may be either, but must be wholly one or the other;
-//   - enrolled at start = testapp found ztunnel's listeners bound in its
-//     netns before it ran. Such a pod must also have an Add acknowledged by
-//     a stand-in for its current netns (dev:ino) no later than its start
-//     (+1 s: startedAt has second precision), and its current netns must
+//   - enrolled: a stand-in acknowledged an Add for the pod's current netns
+//     (dev:ino) no later than its container's start (+1 s: startedAt has
+//     second precision), or testapp found ztunnel's listeners bound in its
+//     netns before it ran. Both must hold, except that a stand-in SIGKILLed
+//     between its ack and the app's start takes the listeners along (as a
+//     ztunnel crash does; the pod stays redirected). Its current netns must
 //     hold the redirection rules (unless its namespace's label changed
 //     since, when the agent may rightly have removed them);
 //   - not enrolled at start: no listeners, no inpod rules, and Running
@@ -210,6 +212,8 @@ type soak struct {
 	nodeDown   []interval
 	ready      []readySample
 	revision   int
+	// standinKills are the moments a stand-in was SIGKILLed.
+	standinKills []time.Time
 	// judged keeps every judged pod, deleted or not, for the end checks.
 	judged map[string]*soakPod
 	// end is the last measurement of the settle poll.
@@ -377,7 +381,7 @@ func (s *soak) deleteJudged(r *rand.Rand, n int) {
 }
 
 // churn creates pods (mesh, plain, flip; a burst of 20 now and then) and
-// deletes judged ones, about one action a second.
+// deletes judged ones, about one action every 0.75 s.
 func (s *soak) churn(ctx context.Context, r *rand.Rand) {
 	pick := func() string {
 		switch x := r.Intn(100); {
@@ -405,7 +409,7 @@ func (s *soak) churn(ctx context.Context, r *rand.Rand) {
 		}
 		select {
 		case <-ctx.Done():
-		case <-time.After(time.Duration(500+r.Intn(1500)) * time.Millisecond): // pacing, not synchronisation
+		case <-time.After(time.Duration(250+r.Intn(1000)) * time.Millisecond): // pacing, not synchronisation
 		}
 	}
 }
@@ -415,8 +419,8 @@ func (s *soak) churn(ctx context.Context, r *rand.Rand) {
 var faultKinds = []string{"agent-sigkill", "agent-pod-delete", "standin-kill", "standin-upgrade", "kubelet-restart",
 	"conflist-clobber", "apiserver-stop", "namespace-flip"}
 
-// inject strikes a fault every 10 to 25 s (each kind once, in a seeded
-// order, before any repeats), waiting for the node to recover after each.
+// inject strikes a fault 3 to 10 s after the node recovered from the last
+// one: each kind once, in a seeded order, then at random.
 func (s *soak) inject(ctx context.Context, r *rand.Rand) {
 	order := append([]string(nil), faultKinds...)
 	r.Shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
@@ -424,7 +428,7 @@ func (s *soak) inject(ctx context.Context, r *rand.Rand) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(time.Duration(10+r.Intn(15)) * time.Second): // a random moment
+		case <-time.After(time.Duration(3+r.Intn(8)) * time.Second): // a random moment
 		}
 		kind := order[i%len(order)]
 		if i >= len(order) {
@@ -457,6 +461,11 @@ func (s *soak) fault(kind string, r *rand.Rand) error {
 			if err := unix.Kill(pid, unix.SIGKILL); err != nil {
 				return err
 			}
+		}
+		if kind == "standin-kill" {
+			s.mu.Lock()
+			s.standinKills = append(s.standinKills, time.Now())
+			s.mu.Unlock()
 		}
 	case "agent-pod-delete":
 		old := agentReady(s.t, s.ctx, s.c.Node)
@@ -764,23 +773,33 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records
 	labelled, constant := s.labelledOver(sp.ns, created.Add(-2*time.Second), started.Add(2*time.Second))
 	_, unchangedSince := s.labelledOver(sp.ns, created.Add(-2*time.Second), time.Now().Add(2*time.Second))
 	sp.uid, sp.netns, sp.ip, sp.started = string(p.UID), id, p.Status.PodIP, started
-	switch listeners {
-	case allListeners:
+	acked := ackedBefore(records, string(p.UID), id, started.Add(time.Second))
+	switch {
+	case listeners != allListeners && listeners != "[]":
+		s.violate("%s started with part of ztunnel's listeners: %s", key, listeners)
+		s.done(sp, "partial")
+	case acked || listeners == allListeners:
 		sp.enrolled = true
 		if constant && !labelled {
-			s.violate("%s outside the mesh (namespace unlabelled over its start) was redirected: listeners %s", key, listeners)
+			s.violate("%s outside the mesh (namespace unlabelled over its start) was redirected: listeners %s, Add acknowledged %v", key, listeners, acked)
 		}
-		if !ackedBefore(records, string(p.UID), id, started.Add(time.Second)) {
+		if !acked {
 			s.violate("enrolled %s (uid %s) runs in netns %s (%s) with no Add acknowledged for it by a stand-in before its start %s",
 				key, p.UID, name, id, started.UTC().Format(time.RFC3339))
+		}
+		// The stand-in SIGKILLed after its ack and before the app ran
+		// took the listeners along (as a ztunnel crash does): the pod is
+		// redirected, its traffic waits for the next ztunnel.
+		if listeners == "[]" && !s.standinKilledBetween(firstAck(records, string(p.UID), id), started.Add(time.Second)) {
+			s.violate("enrolled %s: an Add was acknowledged for its netns, yet ztunnel's listeners were not there at its start and no stand-in was killed meanwhile", key)
 		}
 		if unchangedSince && !redirected {
 			s.violate("enrolled %s: its current netns %s has no redirection rules:\n%s", key, name, rules)
 		}
 		s.done(sp, "ran redirected")
-	case "[]":
+	default:
 		if constant && labelled {
-			s.violate("enrolled %s ran unredirected: ztunnel's listeners were not in its netns at start (netns %s rules:\n%s)", key, name, rules)
+			s.violate("enrolled %s ran unredirected: no Add acknowledged for its netns %s (%s) before its start and no listeners (rules now:\n%s)", key, name, id, rules)
 		}
 		if unchangedSince && anyInpod {
 			s.violate("%s outside the mesh has inpod's rules in its netns %s:\n%s", key, name, rules)
@@ -789,10 +808,20 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records
 			s.violate("%s outside the mesh took %s to start (node-down time excluded)", key, waited.Round(time.Second))
 		}
 		s.done(sp, "ran outside the mesh")
-	default:
-		s.violate("%s started with part of ztunnel's listeners: %s", key, listeners)
-		s.done(sp, "partial")
 	}
+}
+
+// standinKilledBetween reports whether a stand-in-kill fault struck within
+// [from, to].
+func (s *soak) standinKilledBetween(from, to time.Time) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, at := range s.standinKills {
+		if !at.Before(from) && !at.After(to) {
+			return true
+		}
+	}
+	return false
 }
 
 func podSummary(p *corev1.Pod) string {

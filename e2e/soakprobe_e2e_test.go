@@ -97,6 +97,20 @@ func ackedBefore(records map[string][]ztunnel.RecordEntry, uid, id string, t tim
 	return false
 }
 
+// firstAck is when a stand-in first acknowledged an Add for uid in the
+// netns id (zero when none did).
+func firstAck(records map[string][]ztunnel.RecordEntry, uid, id string) time.Time {
+	var first time.Time
+	for _, es := range records {
+		for _, e := range es {
+			if e.Event == "ack" && e.UID == uid && e.NetNS == id && (first.IsZero() || e.Time.Before(first)) {
+				first = e.Time
+			}
+		}
+	}
+	return first
+}
+
 // standinWorkloads replays one stand-in's record: its workloads now (uid →
 // netns), from its last start.
 func standinWorkloads(es []ztunnel.RecordEntry) map[string]string {
