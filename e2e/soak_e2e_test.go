@@ -435,6 +435,7 @@ func (s *soak) inject(ctx context.Context, r *rand.Rand) {
 			kind = faultKinds[r.Intn(len(faultKinds))]
 		}
 		s.logf("fault %s", kind)
+		struck := time.Now()
 		if err := s.fault(kind, r); err != nil {
 			s.violate("fault %s could not be injected: %v", kind, err)
 			continue
@@ -444,7 +445,9 @@ func (s *soak) inject(ctx context.Context, r *rand.Rand) {
 		s.mu.Unlock()
 		if err := s.recovered(6 * time.Minute); err != nil {
 			s.violate("the node did not recover after %s: %v", kind, err)
+			continue
 		}
+		s.logf("fault %s: the node recovered in %s", kind, time.Since(struck).Round(100*time.Millisecond))
 	}
 }
 
