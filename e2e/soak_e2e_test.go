@@ -851,16 +851,16 @@ func (s *soak) listenersAtStart(p *corev1.Pod) (string, error) {
 	return "", fmt.Errorf("no listeners line yet")
 }
 
-// checkLive checks, after the churn, every judged enrolled pod still
-// running from outside again: its current netns has the rules and the
-// current stand-in runs it in that netns.
+// checkLive checks, after the churn, every judged pod still running from
+// outside again: an enrolled one's current netns has the rules and the
+// current stand-in runs it in that netns; another's has no inpod rules.
 func (s *soak) checkLive() {
 	current := s.currentStandin()
 	byIP := netnsByIP()
 	s.mu.Lock()
 	var live []*soakPod
 	for _, p := range s.pods {
-		if p.judged && p.enrolled {
+		if p.judged && p.ip != "" {
 			live = append(live, p)
 		}
 	}
@@ -871,19 +871,22 @@ func (s *soak) checkLive() {
 		}
 		name, ok := byIP[p.ip]
 		if !ok {
-			s.violate("enrolled %s/%s: no netns holds its address %s", p.ns, p.name, p.ip)
+			s.violate("%s/%s: no netns holds its address %s", p.ns, p.name, p.ip)
 			continue
 		}
 		rules, id, err := netnsRules(name)
 		if err != nil {
-			s.violate("enrolled %s/%s: %v", p.ns, p.name, err)
+			s.violate("%s/%s: %v", p.ns, p.name, err)
 			continue
 		}
-		if !strings.Contains(rules, "15001") || !strings.Contains(rules, "15006") {
+		redirected := strings.Contains(rules, "15001") && strings.Contains(rules, "15006")
+		switch {
+		case !p.enrolled && (strings.Contains(rules, "15001") || strings.Contains(rules, "15006")):
+			s.violate("%s/%s outside the mesh at the end: its netns %s has inpod's rules", p.ns, p.name, name)
+		case p.enrolled && !redirected:
 			s.violate("enrolled %s/%s at the end: its netns %s has no redirection rules", p.ns, p.name, name)
-		}
-		if got := current[p.uid]; got != id {
-			s.violate("enrolled %s/%s at the end: the current stand-in runs it in netns %q, the pod is in %s", p.ns, p.name, got, id)
+		case p.enrolled && current[p.uid] != id:
+			s.violate("enrolled %s/%s at the end: the current stand-in runs it in netns %q, the pod is in %s", p.ns, p.name, current[p.uid], id)
 		}
 	}
 }
