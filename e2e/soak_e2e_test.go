@@ -866,7 +866,7 @@ func (s *soak) checkLive() {
 	}
 	s.mu.Unlock()
 	for _, p := range live {
-		if _, unchanged := s.labelledOver(p.ns, p.started.Add(-2*time.Second), time.Now()); !unchanged {
+		if _, unchanged := s.labelledOver(p.ns, p.created.Add(-2*time.Second), time.Now()); !unchanged {
 			continue
 		}
 		name, ok := byIP[p.ip]
