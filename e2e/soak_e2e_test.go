@@ -496,11 +496,14 @@ func (s *soak) fault(kind string, r *rand.Rand) error {
 				ds.Status.NumberAvailable == 1 && ds.Status.DesiredNumberScheduled == 1, nil
 		})
 	case "kubelet-restart":
+		// The Node stays Ready in the API through a short restart: the
+		// device plugin's registration with the new kubelet marks it back.
+		registrations := agentMetric(agentMetricsPort, "inpod_deviceplugin_registrations_total")
 		from := time.Now()
 		err := s.c.RestartKubelet(s.ctx)
 		if err == nil {
-			err = testkit.Poll(3*time.Minute, "the Node Ready again", func() (bool, error) {
-				return nodeCondition(s.ctx, s.c.Node, corev1.NodeReady) == corev1.ConditionTrue, nil
+			err = testkit.Poll(3*time.Minute, "the device plugin registered with the new kubelet", func() (bool, error) {
+				return agentMetric(agentMetricsPort, "inpod_deviceplugin_registrations_total") > registrations, nil
 			})
 		}
 		s.mu.Lock()
