@@ -97,8 +97,9 @@ test-integration: deps ## TestIntegration* against a real etcd + kube-apiserver
 test-e2e: deps ## TestE2E* on a real single node (kubelet, containerd)
 	$(K8S_ENV) $(GO) test -p 1 -count=1 -timeout 45m -tags e2e -run '^TestE2E' $(call tagged_pkgs,e2e)
 
-# The long soak: INPOD_SOAK_DURATION of churn (at least 500 pods) and
-# faults on the real node; INPOD_SOAK_SEED=<printed seed> replays a run.
+# The long soak: INPOD_SOAK_DURATION of churn and faults on the real node,
+# continued until 500 pods were created (about 20 a minute on a loaded
+# two-core machine); INPOD_SOAK_SEED=<printed seed> replays a run.
 INPOD_SOAK_DURATION ?= 20m
 soak: deps ## TestE2ESoak for INPOD_SOAK_DURATION (default 20m, >= 500 pods) under the e2e lock
 	$(K8S_ENV) INPOD_SOAK_DURATION=$(INPOD_SOAK_DURATION) INPOD_SOAK_MIN_PODS=500 flock /tmp/inpod-e2e.lock \

@@ -37,7 +37,8 @@ import (
 // log). INPOD_SOAK_DURATION (default 3m) is how long the churn runs,
 // INPOD_SOAK_SEED replays a run's choices (the same sequence of actions and
 // faults; their interleaving with the node's own timing differs),
-// INPOD_SOAK_MIN_PODS fails a run that created fewer pods (make soak: 500).
+// INPOD_SOAK_MIN_PODS keeps the churn going past the duration until that
+// many pods were created (make soak: 500), failing a run that cannot.
 //
 // How each pod is judged, once, at its first sighting Running:
 //   - by the label its namespace had from its creation (-2 s) to its
@@ -94,7 +95,7 @@ func TestE2ESoak(t *testing.T) {
 	}
 	t.Logf("soak: seed %d, duration %s (replay: INPOD_SOAK_SEED=%d INPOD_SOAK_DURATION=%s)", seed, dur, seed, dur)
 
-	ctx, cancel := context.WithTimeout(context.Background(), dur+25*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*dur+25*time.Minute)
 	defer cancel()
 	c := newChartNode(ctx, t, "/var/lib/inpod-e2e-soak")
 	s := &soak{t: t, c: c, ctx: ctx, start: time.Now(), pods: map[string]*soakPod{}, created: map[string]int{},
@@ -124,8 +125,23 @@ func TestE2ESoak(t *testing.T) {
 	s.base = base
 	t.Logf("soak: baseline %s", base)
 
-	churnCtx, stopChurn := context.WithTimeout(ctx, dur)
+	// The churn runs for dur, and on until minPods were created (at most
+	// twice dur: the run then fails on the count).
+	churnCtx, stopChurn := context.WithCancel(ctx)
 	defer stopChurn()
+	go func() {
+		tick := time.NewTicker(time.Second)
+		defer tick.Stop()
+		for range tick.C {
+			s.mu.Lock()
+			total := s.created["mesh"] + s.created["plain"] + s.created["flip"]
+			s.mu.Unlock()
+			if ran := time.Since(s.start); ran >= dur && total >= minPods || ran >= 2*dur || ctx.Err() != nil {
+				stopChurn()
+				return
+			}
+		}
+	}()
 	var wg sync.WaitGroup
 	samplerCtx, stopSampler := context.WithCancel(ctx)
 	defer stopSampler()
