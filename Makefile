@@ -9,7 +9,7 @@ export PATH := $(BIN):$(PATH)
 # The protoc release whose output is committed in zds/zdspb (Debian 12's).
 PROTOC_VERSION := 3.21.12
 
-.PHONY: all help deps build generate check-generated lint test test-unit test-integration test-e2e \
+.PHONY: all help deps build generate check-generated lint test test-unit test-fuzz fuzz test-integration test-e2e \
 	bench k8s-bins cluster-up cluster-down clean images manifests check-chart demo demo-down
 
 all: build
@@ -78,11 +78,28 @@ test: ## every tier, fastest first: lint, check-generated, check-chart, unit, in
 	@$(MAKE) --no-print-directory check-generated
 	@$(MAKE) --no-print-directory check-chart
 	@$(MAKE) --no-print-directory test-unit
+	@$(MAKE) --no-print-directory test-fuzz
 	@$(MAKE) --no-print-directory test-integration
 	@$(MAKE) --no-print-directory test-e2e
 
 test-unit: deps ## unit tier (root: real netns and netfilter), minutes
 	INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh) $(GO) test -race -count=1 ./...
+
+# Go fuzz targets (func FuzzX(f *testing.F), each beside the code it feeds),
+# found by grep so a new one is run without editing this file. go test
+# fuzzes one target per invocation. Their seeds, and every crasher found
+# (testdata/fuzz/FuzzX/), also run as plain tests in test-unit.
+FUZZTIME ?= 60s
+fuzz_targets = $(shell grep -rl --include='*_test.go' '^func Fuzz' . | sort | xargs -r grep -H -o '^func Fuzz[A-Za-z0-9_]*' | sed 's|^\(.*\)/[^/]*_test.go:func |\1 |')
+
+fuzz: ## every fuzz target for FUZZTIME each (default 60s), one after another
+	@set -e; printf '%s %s\n' $(fuzz_targets) | while read -r pkg target; do \
+	  echo "== $$target ($$pkg, $(FUZZTIME))"; \
+	  $(GO) test -run '^$$' -fuzz "^$$target\$$" -fuzztime $(FUZZTIME) "$$pkg" </dev/null; \
+	done
+
+test-fuzz: ## every fuzz target for 5s (the bounded run in make test)
+	@$(MAKE) --no-print-directory fuzz FUZZTIME=5s
 
 # Binaries for the Kubernetes tiers, built once and cached by version.
 K8S_ENV = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh) INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh)
