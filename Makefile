@@ -107,7 +107,7 @@ K8S_ENV = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh) INPOD_TEST_CNI_PLUGINS=$$(hack/
 tagged_pkgs = $(shell grep -rl --include='*_test.go' '^//go:build $(1)' . | xargs -r -n1 dirname | sort -u)
 
 test-integration: deps ## TestIntegration* against a real etcd + kube-apiserver
-	$(K8S_ENV) $(GO) test -p 1 -race -count=1 -tags integration -run '^TestIntegration' $(call tagged_pkgs,integration)
+	$(K8S_ENV) $(GO) test -p 1 -race -count=1 -timeout 30m -tags integration -run '^TestIntegration' $(call tagged_pkgs,integration)
 
 test-e2e: deps ## TestE2E* on a real single node (kubelet, containerd)
 	$(K8S_ENV) $(GO) test -p 1 -count=1 -timeout 30m -tags e2e -run '^TestE2E' $(call tagged_pkgs,e2e)
