@@ -9,7 +9,7 @@ export PATH := $(BIN):$(PATH)
 # The protoc release whose output is committed in zds/zdspb (Debian 12's).
 PROTOC_VERSION := 3.21.12
 
-.PHONY: all help deps build generate check-generated lint test test-unit test-integration test-e2e \
+.PHONY: all help deps build generate check-generated lint test test-unit test-fuzz fuzz test-integration test-e2e \
 	soak bench k8s-bins cluster-up cluster-down clean images manifests check-chart demo demo-down
 
 all: build
@@ -78,11 +78,28 @@ test: ## every tier, fastest first: lint, check-generated, check-chart, unit, in
 	@$(MAKE) --no-print-directory check-generated
 	@$(MAKE) --no-print-directory check-chart
 	@$(MAKE) --no-print-directory test-unit
+	@$(MAKE) --no-print-directory test-fuzz
 	@$(MAKE) --no-print-directory test-integration
 	@$(MAKE) --no-print-directory test-e2e
 
 test-unit: deps ## unit tier (root: real netns and netfilter), minutes
 	INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh) $(GO) test -race -count=1 ./...
+
+# Go fuzz targets (func FuzzX(f *testing.F), each beside the code it feeds),
+# found by grep so a new one is run without editing this file. go test
+# fuzzes one target per invocation. Their seeds, and every crasher found
+# (testdata/fuzz/FuzzX/), also run as plain tests in test-unit.
+FUZZTIME ?= 60s
+fuzz_targets = $(shell grep -rl --include='*_test.go' '^func Fuzz' . | sort | xargs -r grep -H -o '^func Fuzz[A-Za-z0-9_]*' | sed 's|^\(.*\)/[^/]*_test.go:func |\1 |')
+
+fuzz: ## every fuzz target for FUZZTIME each (default 60s), one after another
+	@set -e; printf '%s %s\n' $(fuzz_targets) | while read -r pkg target; do \
+	  echo "== $$target ($$pkg, $(FUZZTIME))"; \
+	  $(GO) test -run '^$$' -fuzz "^$$target\$$" -fuzztime $(FUZZTIME) "$$pkg" </dev/null; \
+	done
+
+test-fuzz: ## every fuzz target for 5s (the bounded run in make test)
+	@$(MAKE) --no-print-directory fuzz FUZZTIME=5s
 
 # Binaries for the Kubernetes tiers, built once and cached by version.
 K8S_ENV = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh) INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh)
@@ -90,12 +107,12 @@ K8S_ENV = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh) INPOD_TEST_CNI_PLUGINS=$$(hack/
 tagged_pkgs = $(shell grep -rl --include='*_test.go' '^//go:build $(1)' . | xargs -r -n1 dirname | sort -u)
 
 test-integration: deps ## TestIntegration* against a real etcd + kube-apiserver
-	$(K8S_ENV) $(GO) test -p 1 -race -count=1 -tags integration -run '^TestIntegration' $(call tagged_pkgs,integration)
+	$(K8S_ENV) $(GO) test -p 1 -race -count=1 -timeout 30m -tags integration -run '^TestIntegration' $(call tagged_pkgs,integration)
 
 # The e2e package runs TestE2ESoak too, 3 minutes of churn and faults (plus
 # its set-up and checks): hence more than 30 minutes for the tier.
 test-e2e: deps ## TestE2E* on a real single node (kubelet, containerd)
-	$(K8S_ENV) $(GO) test -p 1 -count=1 -timeout 45m -tags e2e -run '^TestE2E' $(call tagged_pkgs,e2e)
+	$(K8S_ENV) $(GO) test -p 1 -count=1 -timeout 60m -tags e2e -run '^TestE2E' $(call tagged_pkgs,e2e)
 
 # The long soak: INPOD_SOAK_DURATION of churn and faults on the real node,
 # continued until 500 pods were created (about 20 a minute on a loaded

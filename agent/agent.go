@@ -261,7 +261,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	}
 
 	p.podInf, p.nsInf = newInformers(p.client, cfg.NodeName)
-	p.pods = &podCache{client: p.client, pods: p.podInf.Core().V1().Pods().Lister(),
+	p.pods = &podCache{client: p.client, node: cfg.NodeName, pods: p.podInf.Core().V1().Pods().Lister(),
 		namespaces: p.nsInf.Core().V1().Namespaces().Lister(), cacheWait: 5 * time.Second}
 	a.pods = p.pods
 	p.annotations = enroll.NewAnnotationWriter(p.client, a.log)

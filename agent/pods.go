@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -22,7 +23,10 @@ import (
 // podCache answers the pipeline from the informers: the pods of this node
 // and all namespaces.
 type podCache struct {
-	client     kubernetes.Interface
+	client kubernetes.Interface
+	// node is this node's name: the cache holds its pods only, and a pod
+	// read from the API is answered only when bound here.
+	node       string
 	pods       listersv1.PodLister
 	namespaces listersv1.NamespaceLister
 	// cacheWait bounds how long a CNI event waits for the watch to deliver a
@@ -43,7 +47,13 @@ func (c *podCache) Pod(ctx context.Context, namespace, name string) (*corev1.Pod
 	return cachedOrRead(ctx, c.cacheWait,
 		func() (*corev1.Pod, error) { return c.pods.Pods(namespace).Get(name) },
 		func(ctx context.Context) (*corev1.Pod, error) {
-			return c.client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+			pod, err := c.client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+			if err == nil && pod.Spec.NodeName != c.node {
+				// A request for another node's pod (the runtime only starts
+				// pods bound here) must not get rules into the netns it names.
+				return nil, fmt.Errorf("pod %s/%s is bound to node %q, not this node %q; refusing it", namespace, name, pod.Spec.NodeName, c.node)
+			}
+			return pod, err
 		})
 }
 

@@ -28,6 +28,10 @@ const (
 // MaxMessageSize bounds a request or a reply; anything larger is refused.
 const MaxMessageSize = 64 << 10
 
+// MaxIPs bounds the IPs of one request: Kubernetes gives a pod one per
+// family, and the agent refuses more.
+const MaxIPs = 16
+
 // Command is the CNI operation the event reports.
 type Command string
 

@@ -178,6 +178,14 @@ func parseChained(data []byte, cmd string) (*Config, []byte, []string, error) {
 	}
 	var ips []string
 	for _, ip := range cur.IPs {
+		// An entry without an address ("ips":[{}] parses) names no IP; sent
+		// as "<nil>" the agent would refuse the request, and with it the
+		// start of every pod, enrolled or not. Past the agent's bound the
+		// rest are left out for the same reason (a pod has one IP per
+		// family).
+		if ip.Address.IP == nil || len(ips) == cnievent.MaxIPs {
+			continue
+		}
 		ips = append(ips, ip.Address.IP.String())
 	}
 	return conf, conf.PrevResult, ips, nil

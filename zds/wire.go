@@ -81,6 +81,12 @@ func parseRights(oob []byte) ([]int, error) {
 			bad = fmt.Errorf("zds: unexpected control message level %d type %d", m.Header.Level, m.Header.Type)
 			continue
 		}
+		if len(m.Data)%4 != 0 {
+			// ParseUnixRights indexes past the end of such data (a panic
+			// in x/sys); the kernel never builds it, but refuse, not crash.
+			bad = fmt.Errorf("zds: SCM_RIGHTS of %d bytes, not a whole number of fds", len(m.Data))
+			continue
+		}
 		rights, err := unix.ParseUnixRights(&m)
 		if err != nil {
 			bad = fmt.Errorf("zds: parse SCM_RIGHTS: %w", err)

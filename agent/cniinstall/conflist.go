@@ -136,9 +136,23 @@ func (c *conflist) marshal() ([]byte, error) {
 	return buf.Bytes(), nil
 }
 
+// jsonEqual compares two JSON documents by value. Numbers compare by their
+// text: as float64 one out of range (1e400, valid JSON) made a document
+// unequal to itself, so Uninstall never recognised such a file's original.
 func jsonEqual(a, b []byte) bool {
+	decode := func(data []byte, v *any) error {
+		d := json.NewDecoder(bytes.NewReader(data))
+		d.UseNumber()
+		if err := d.Decode(v); err != nil {
+			return err
+		}
+		if d.More() {
+			return errors.New("trailing data")
+		}
+		return nil
+	}
 	var x, y any
-	if json.Unmarshal(a, &x) != nil || json.Unmarshal(b, &y) != nil {
+	if decode(a, &x) != nil || decode(b, &y) != nil {
 		return false
 	}
 	xa, _ := json.Marshal(x)

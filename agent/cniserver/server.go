@@ -247,8 +247,8 @@ func (s *Server) Validate(req *cnievent.Request) error {
 			return err
 		}
 	}
-	if len(req.IPs) > 16 {
-		return fmt.Errorf("%d IPs, at most 16", len(req.IPs))
+	if len(req.IPs) > cnievent.MaxIPs {
+		return fmt.Errorf("%d IPs, at most %d", len(req.IPs), cnievent.MaxIPs)
 	}
 	for _, ip := range req.IPs {
 		if _, err := netip.ParseAddr(ip); err != nil {
