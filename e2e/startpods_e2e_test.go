@@ -16,6 +16,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+	watchtools "k8s.io/client-go/tools/watch"
 
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/testkit"
@@ -83,7 +85,18 @@ func startPods(ctx context.Context, b testing.TB, c kubernetes.Interface, ns, pr
 		return took
 	}
 
-	w, err := pods.Watch(ctx, metav1.ListOptions{LabelSelector: "round=" + prefix})
+	// A watch that resumes where it ended: on a loaded machine the API
+	// server ended a plain watch of a 100-pod round minutes in.
+	sel := "round=" + prefix
+	before, err := pods.List(ctx, metav1.ListOptions{LabelSelector: sel})
+	if err != nil {
+		b.Fatal(err)
+	}
+	w, err := watchtools.NewRetryWatcherWithContext(ctx, before.ResourceVersion, &cache.ListWatch{
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			o.LabelSelector = sel
+			return pods.Watch(ctx, o)
+		}})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -115,6 +128,10 @@ func startPods(ctx context.Context, b testing.TB, c kubernetes.Interface, ns, pr
 		case ev, ok := <-w.ResultChan():
 			if !ok {
 				b.Fatalf("the watch of %s ended", ns)
+			}
+			if ev.Type == watch.Error {
+				b.Logf("the watch of %s: %v", ns, apierrors.FromObject(ev.Object))
+				continue
 			}
 			if p, ok := ready(ev.Object); ok && ev.Type != watch.Deleted {
 				if _, seen := readyAt[p.Name]; !seen {
