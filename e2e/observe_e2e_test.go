@@ -6,9 +6,11 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -16,6 +18,9 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
 
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/internal/testkit"
@@ -25,21 +30,52 @@ import (
 // pod's netns, the API's view of a pod, and the agent's metrics.
 
 // podNetns is the name under /run/netns of the netns that holds ip (the
-// runtime's cni-… netns of the pod with that address).
+// runtime's cni-… netns of the pod with that address). Addresses are read
+// over netlink in this process: other tests on the machine may leave
+// hundreds of netns there, and an exec of ip per netns per pod made a check
+// of 100 pods take many minutes on a loaded machine.
 func podNetns(t *testing.T, ip string) string {
 	t.Helper()
+	want := net.ParseIP(ip)
 	entries, err := os.ReadDir("/run/netns")
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, e := range entries {
-		out, err := exec.Command("ip", "-n", e.Name(), "-o", "addr", "show").Output()
-		if err == nil && strings.Contains(string(out), " "+ip+"/") {
+		if !strings.HasPrefix(e.Name(), "cni-") {
+			continue
+		}
+		if netnsHolds(filepath.Join("/run/netns", e.Name()), want) {
 			return e.Name()
 		}
 	}
-	t.Fatalf("no netns under /run/netns holds %s", ip)
+	t.Fatalf("no cni- netns under /run/netns holds %s", ip)
 	return ""
+}
+
+// netnsHolds reports whether the netns at path has ip on an interface (a
+// netns gone meanwhile holds nothing).
+func netnsHolds(path string, ip net.IP) bool {
+	ns, err := netns.GetFromPath(path)
+	if err != nil {
+		return false
+	}
+	defer ns.Close()
+	h, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		return false
+	}
+	defer h.Close()
+	addrs, err := h.AddrList(nil, netlink.FAMILY_ALL)
+	if err != nil {
+		return false
+	}
+	for _, a := range addrs {
+		if a.IP.Equal(ip) {
+			return true
+		}
+	}
+	return false
 }
 
 // netnsRuleset is the nf_tables ruleset of a netns with object handles and

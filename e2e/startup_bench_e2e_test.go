@@ -6,7 +6,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"math"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -14,7 +13,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -313,7 +311,7 @@ func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, nod
 	// it), and a check that the enrolled pods are the real thing: the
 	// policy's request, the agent's annotation; the plain ones neither.
 	for _, ns := range []string{"mesh", "plain"} {
-		startPods(ctx, b, c, ns, "warm", 1, false, func(p *corev1.Pod) {
+		startPods(ctx, b, c, ns, "warm", 1, false, 2*time.Minute, func(p *corev1.Pod) {
 			// The guard the chart's policy gives enrolled pods: the
 			// resource request, or in initcontainer mode the init container.
 			if mode == "initcontainer" {
@@ -345,7 +343,7 @@ func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, nod
 	// One at a time, alternating, so drift over the run hits both kinds.
 	for i := range startupPods {
 		for _, ns := range []string{"plain", "mesh"} {
-			one[ns] = append(one[ns], startPods(ctx, b, c, ns, fmt.Sprintf("one-%d", i), 1, false, nil)...)
+			one[ns] = append(one[ns], startPods(ctx, b, c, ns, fmt.Sprintf("one-%d", i), 1, false, 2*time.Minute, nil)...)
 		}
 	}
 	after := agent()
@@ -358,7 +356,7 @@ func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, nod
 	cpu := map[string]float64{}
 	for i, ns := range []string{"plain", "mesh", "mesh", "plain"} {
 		before := agent()
-		all[ns] = append(all[ns], startPods(ctx, b, c, ns, fmt.Sprintf("all-%d", i), startupPods, true, nil)...)
+		all[ns] = append(all[ns], startPods(ctx, b, c, ns, fmt.Sprintf("all-%d", i), startupPods, true, 3*time.Minute, nil)...)
 		after := agent()
 		cpu[ns] += after.cpu - before.cpu
 		if ns == "mesh" {
@@ -401,172 +399,6 @@ func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, nod
 	benchreport.Record(b, benchreport.Figure{Section: benchreport.HeadlineSection,
 		Name:  fmt.Sprintf("the agent's CPU per enrolled pod (start and delete), %s gate, %d at once", mode, startupPods),
 		Value: perPod("mesh"), Unit: "ms", FloorName: "per plain pod", Floor: perPod("plain")})
-}
-
-// startPods creates n pods named prefix-i in ns, one after the other
-// (each gone before the next starts) or all at once, and returns each one's
-// start-up: from its Create call to its Ready condition turning True as a
-// watch sees it (client side: the condition's own timestamp has whole
-// seconds). check, if set, sees each Ready pod. The pods are deleted, and
-// gone, before it returns.
-func startPods(ctx context.Context, b *testing.B, c kubernetes.Interface, ns, prefix string, n int, concurrent bool, check func(*corev1.Pod)) []time.Duration {
-	b.Helper()
-	grace := int64(1)
-	newPod := func(name string) *corev1.Pod {
-		return &corev1.Pod{
-			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{"round": prefix}},
-			Spec: corev1.PodSpec{TerminationGracePeriodSeconds: &grace, Containers: []corev1.Container{{
-				Name: "app", Image: images.TestAppRef, ImagePullPolicy: corev1.PullNever, Args: []string{"--listen", ":8080"}}}},
-		}
-	}
-	pods := c.CoreV1().Pods(ns)
-	ready := func(o any) (*corev1.Pod, bool) {
-		p, ok := o.(*corev1.Pod)
-		if !ok {
-			return nil, false
-		}
-		for _, cond := range p.Status.Conditions {
-			if cond.Type == corev1.PodReady && cond.Status == corev1.ConditionTrue {
-				return p, true
-			}
-		}
-		return p, false
-	}
-	var took []time.Duration
-	if !concurrent {
-		for i := range n {
-			name := fmt.Sprintf("%s-%d", prefix, i)
-			w, err := pods.Watch(ctx, metav1.ListOptions{FieldSelector: "metadata.name=" + name})
-			if err != nil {
-				b.Fatal(err)
-			}
-			var got *corev1.Pod
-			start := time.Now()
-			if _, err := pods.Create(ctx, newPod(name), metav1.CreateOptions{}); err != nil {
-				b.Fatal(err)
-			}
-			at := waitEvent(ctx, b, w, 2*time.Minute, ns+"/"+name+" Ready", func(o any) bool {
-				p, ok := ready(o)
-				got = p
-				return ok
-			})
-			took = append(took, at.Sub(start))
-			if check != nil {
-				check(got)
-			}
-			deletePods(ctx, b, c, ns, prefix)
-		}
-		return took
-	}
-
-	w, err := pods.Watch(ctx, metav1.ListOptions{LabelSelector: "round=" + prefix})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer w.Stop()
-	var (
-		mu     sync.Mutex
-		starts = map[string]time.Time{}
-		wg     sync.WaitGroup
-		failed = make(chan error, n)
-	)
-	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			name := fmt.Sprintf("%s-%d", prefix, i)
-			mu.Lock()
-			starts[name] = time.Now()
-			mu.Unlock()
-			if _, err := pods.Create(ctx, newPod(name), metav1.CreateOptions{}); err != nil {
-				failed <- err
-			}
-		}()
-	}
-	readyAt := map[string]time.Time{}
-	var readyPods []*corev1.Pod
-	deadline := time.After(3 * time.Minute)
-	for len(readyAt) < n {
-		select {
-		case ev, ok := <-w.ResultChan():
-			if !ok {
-				b.Fatalf("the watch of %s ended", ns)
-			}
-			if p, ok := ready(ev.Object); ok && ev.Type != watch.Deleted {
-				if _, seen := readyAt[p.Name]; !seen {
-					readyAt[p.Name] = time.Now()
-					readyPods = append(readyPods, p)
-					if check != nil {
-						check(p)
-					}
-				}
-			}
-		case err := <-failed:
-			b.Fatal(err)
-		case <-deadline:
-			b.Fatalf("%d of %d pods in %s Ready after 3m", len(readyAt), n, ns)
-		}
-	}
-	wg.Wait()
-	for name, at := range readyAt {
-		took = append(took, at.Sub(starts[name]))
-	}
-	b.Logf("%s, %d at once: first Ready %s, median %s, last %s; %s", ns, n, quantile(took, 0).Round(time.Millisecond),
-		quantile(took, 0.5).Round(time.Millisecond), quantile(took, 1).Round(time.Millisecond), phases(readyPods))
-	deletePods(ctx, b, c, ns, prefix)
-	return took
-}
-
-// phases says where the pods' start-up went, by the API's own timestamps
-// (whole seconds, so only for rounds that take seconds): median times from
-// creation to scheduled, to the sandbox ready (network set up: the CNI ADD,
-// inpod's included), to the container started.
-func phases(pods []*corev1.Pod) string {
-	var scheduled, sandbox, started []time.Duration
-	for _, p := range pods {
-		created := p.CreationTimestamp.Time
-		for _, c := range p.Status.Conditions {
-			switch c.Type {
-			case corev1.PodScheduled:
-				scheduled = append(scheduled, c.LastTransitionTime.Sub(created))
-			case corev1.PodReadyToStartContainers:
-				sandbox = append(sandbox, c.LastTransitionTime.Sub(created))
-			}
-		}
-		if len(p.Status.ContainerStatuses) > 0 && p.Status.ContainerStatuses[0].State.Running != nil {
-			started = append(started, p.Status.ContainerStatuses[0].State.Running.StartedAt.Sub(created))
-		}
-	}
-	med := func(ds []time.Duration) string {
-		if len(ds) == 0 {
-			return "?"
-		}
-		return quantile(ds, 0.5).String()
-	}
-	return fmt.Sprintf("median from creation (API timestamps, 1 s): scheduled %s, sandbox ready %s, container started %s", med(scheduled), med(sandbox), med(started))
-}
-
-// deletePods deletes a round's pods and waits until they are gone (their
-// sandboxes torn down), so the next round has the node to itself.
-func deletePods(ctx context.Context, b *testing.B, c kubernetes.Interface, ns, prefix string) {
-	b.Helper()
-	grace := int64(1)
-	sel := metav1.ListOptions{LabelSelector: "round=" + prefix}
-	if err := c.CoreV1().Pods(ns).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: &grace}, sel); err != nil {
-		b.Fatal(err)
-	}
-	testkit.Eventually(b, 2*time.Minute, ns+" round "+prefix+" pods gone", func() bool {
-		l, err := c.CoreV1().Pods(ns).List(ctx, sel)
-		return err == nil && len(l.Items) == 0
-	})
-}
-
-// quantile is the nearest-rank q-quantile of ds.
-func quantile(ds []time.Duration, q float64) time.Duration {
-	s := slices.Clone(ds)
-	slices.Sort(s)
-	i := int(math.Ceil(q*float64(len(s)))) - 1
-	return s[max(0, min(i, len(s)-1))]
 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }

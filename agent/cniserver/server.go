@@ -34,6 +34,11 @@ type Handler interface {
 	Check(ctx context.Context, req *cnievent.Request) (cnievent.Outcome, error)
 }
 
+// DefaultRequestTimeout is the agent's own bound on one CNI event: short
+// of the plugin's wait, so the plugin gets the agent's answer, not its own
+// timeout. An ADD that hits it fails.
+const DefaultRequestTimeout = cnievent.Deadline - 5*time.Second
+
 // Config configures the server; zero values take defaults.
 type Config struct {
 	SocketPath string
@@ -75,7 +80,7 @@ func New(cfg Config) (*Server, error) {
 		cfg.ReadTimeout = 5 * time.Second
 	}
 	if cfg.RequestTimeout <= 0 {
-		cfg.RequestTimeout = cnievent.Deadline - 5*time.Second
+		cfg.RequestTimeout = DefaultRequestTimeout
 	}
 	if len(cfg.NetnsPrefixes) == 0 {
 		cfg.NetnsPrefixes = []string{"/var/run/netns/", "/run/netns/", "/proc/"}

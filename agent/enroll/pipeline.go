@@ -718,6 +718,13 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 	}
 	e := p.entry(pod.UID)
 	switch {
+	case want && e == nil && pod.DeletionTimestamp != nil && h == nil && !(restoring && annotated(pod)):
+		// Being deleted and not in the table: its sandbox's DEL has come
+		// (or it never ran redirected under this agent), and the kubelet
+		// gives a terminating pod no new sandbox. Nothing runs to redirect;
+		// a netns search would only fail, with a Warning event each time,
+		// until the pod is gone.
+		return nil
 	case want && e == nil:
 		ips := podIPs(pod)
 		if len(ips) == 0 {

@@ -731,3 +731,36 @@ func TestReconcileScansProcfsOnlyWhenTheSandboxMayHaveChanged(t *testing.T) {
 		t.Fatalf("%d procfs scans after the kubelet reported a new sandbox, want 1", n)
 	}
 }
+
+// A pod being deleted whose sandbox's DEL has come is done with: the
+// kubelet gives a terminating pod no new sandbox, so there is nothing to
+// redirect. Its later status updates (still Running, IPs still listed
+// until the kubelet reports the end) must not send the agent looking for
+// a netns again: on the real node under load every deleted enrolled pod
+// got ~14 NetnsNotFound failures and Warning events that way.
+func TestTerminatingPodAfterItsDELIsNotEnrolledAgain(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	pod, sb := f.pod("mesh", "leaving", nil), f.sandbox()
+	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	terminating := f.running(pod, sb)
+	now := metav1.Now()
+	terminating.DeletionTimestamp = &now
+	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+	defer cancel()
+	if out, err := f.p.Del(ctx, request(cnievent.Del, pod, sb, "c1")); err != nil {
+		t.Fatalf("DEL = %q, %v", out, err)
+	}
+	before := f.finder.calls.Load()
+	if err := f.p.Reconcile(ctx, terminating); err != nil {
+		t.Fatalf("reconciling the terminating pod after its DEL: %v", err)
+	}
+	if f.p.IsEnrolled(pod.UID) || f.finder.calls.Load() != before {
+		t.Fatalf("a terminating pod after its DEL: enrolled %v, netns searched %d times", f.p.IsEnrolled(pod.UID), f.finder.calls.Load()-before)
+	}
+	if got := f.rec.reasons(); slices.Contains(got, "NetnsNotFound") {
+		t.Fatalf("events %v: a pod being deleted reported as failing", got)
+	}
+}
