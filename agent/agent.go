@@ -76,6 +76,9 @@ type Config struct {
 	HealthAddr  string
 	MetricsAddr string
 	Logger      *slog.Logger
+	// DebugPprof serves Go's profiles under /debug/pprof/ on MetricsAddr
+	// (to find where memory or CPU goes on a live node).
+	DebugPprof bool
 
 	// PodName and PodNamespace are the agent's own pod (downward API). At
 	// shutdown the DaemonSet controlling it, by UID, tells an uninstall
@@ -473,7 +476,7 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, fun
 		run("gate "+gate.Name(), func(ctx context.Context) error { return gate.Run(ctx, a.Ready) })
 	}
 	run("observability", func(ctx context.Context) error {
-		return observe.Serve(ctx, a.log, cfg.HealthAddr, cfg.MetricsAddr, a.Metrics, a.Ready)
+		return observe.Serve(ctx, a.log, cfg.HealthAddr, cfg.MetricsAddr, a.Metrics, a.Ready, cfg.DebugPprof)
 	})
 	return nil
 }
