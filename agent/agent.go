@@ -24,6 +24,9 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
+	"k8s.io/client-go/metadata/metadatainformer"
+	"k8s.io/client-go/metadata/metadatalister"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
@@ -213,7 +216,7 @@ type pieces struct {
 	pipeline    *enroll.Pipeline
 	pods        *podCache
 	podInf      informers.SharedInformerFactory
-	nsInf       informers.SharedInformerFactory
+	nsInf       metadatainformer.SharedInformerFactory
 	// queue feeds the reconciler; the informers' handlers fill it.
 	queue    workqueue.TypedRateLimitingInterface[types.NamespacedName]
 	passList *passlist.List
@@ -263,9 +266,13 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		return nil, fmt.Errorf("agent: host probe rules: %w", err)
 	}
 
-	p.podInf, p.nsInf = newInformers(p.client, cfg.NodeName)
+	meta, err := metadata.NewForConfig(a.restCfg)
+	if err != nil {
+		return nil, err
+	}
+	p.podInf, p.nsInf = newInformers(p.client, meta, cfg.NodeName)
 	p.pods = &podCache{client: p.client, pods: p.podInf.Core().V1().Pods().Lister(),
-		namespaces: p.nsInf.Core().V1().Namespaces().Lister(), cacheWait: 5 * time.Second}
+		namespaces: metadatalister.New(p.nsInf.ForResource(namespacesResource).Informer().GetIndexer(), namespacesResource), cacheWait: 5 * time.Second}
 	a.pods = p.pods
 	p.annotations = enroll.NewAnnotationWriter(p.client, a.log)
 	policy := enroll.Policy{ExcludedNamespaces: cfg.ExcludedNamespaces, Label: cfg.EnrollmentLabel}
@@ -317,8 +324,8 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		}
 	}
 	p.podInf.Core().V1().Pods().Informer().AddEventHandler(handlerFuncs(podChanged, podChanged))
-	p.nsInf.Core().V1().Namespaces().Informer().AddEventHandler(handlerFuncs(func(obj any) {
-		if ns, ok := obj.(*corev1.Namespace); ok {
+	p.nsInf.ForResource(namespacesResource).Informer().AddEventHandler(handlerFuncs(func(obj any) {
+		if ns, ok := obj.(*metav1.PartialObjectMetadata); ok {
 			for _, pod := range p.pods.podsOfNamespace(ns.Name) {
 				key := types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}
 				a.refreshPassList(p.passList, key)
@@ -439,7 +446,7 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, fun
 		go p.uninstall.run(p.stopUninstallWatch)
 	}
 	a.log.Info("waiting for the pod and namespace watches to sync")
-	if !cache.WaitForCacheSync(ctx.Done(), p.podInf.Core().V1().Pods().Informer().HasSynced, p.nsInf.Core().V1().Namespaces().Informer().HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), p.podInf.Core().V1().Pods().Informer().HasSynced, p.nsInf.ForResource(namespacesResource).Informer().HasSynced) {
 		return ctx.Err()
 	}
 	a.restore(ctx, p.pods, p.probes)
