@@ -24,6 +24,9 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
+	"k8s.io/client-go/metadata/metadatainformer"
+	"k8s.io/client-go/metadata/metadatalister"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
@@ -76,6 +79,9 @@ type Config struct {
 	HealthAddr  string
 	MetricsAddr string
 	Logger      *slog.Logger
+	// DebugPprof serves Go's profiles under /debug/pprof/ on MetricsAddr
+	// (to find where memory or CPU goes on a live node).
+	DebugPprof bool
 
 	// PodName and PodNamespace are the agent's own pod (downward API). At
 	// shutdown the DaemonSet controlling it, by UID, tells an uninstall
@@ -210,7 +216,7 @@ type pieces struct {
 	pipeline    *enroll.Pipeline
 	pods        *podCache
 	podInf      informers.SharedInformerFactory
-	nsInf       informers.SharedInformerFactory
+	nsInf       metadatainformer.SharedInformerFactory
 	// queue feeds the reconciler; the informers' handlers fill it.
 	queue    workqueue.TypedRateLimitingInterface[types.NamespacedName]
 	passList *passlist.List
@@ -260,9 +266,13 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		return nil, fmt.Errorf("agent: host probe rules: %w", err)
 	}
 
-	p.podInf, p.nsInf = newInformers(p.client, cfg.NodeName)
+	meta, err := metadata.NewForConfig(a.restCfg)
+	if err != nil {
+		return nil, err
+	}
+	p.podInf, p.nsInf = newInformers(p.client, meta, cfg.NodeName)
 	p.pods = &podCache{client: p.client, node: cfg.NodeName, pods: p.podInf.Core().V1().Pods().Lister(),
-		namespaces: p.nsInf.Core().V1().Namespaces().Lister(), cacheWait: 5 * time.Second}
+		namespaces: metadatalister.New(p.nsInf.ForResource(namespacesResource).Informer().GetIndexer(), namespacesResource), cacheWait: 5 * time.Second}
 	a.pods = p.pods
 	p.annotations = enroll.NewAnnotationWriter(p.client, a.log)
 	policy := enroll.Policy{ExcludedNamespaces: cfg.ExcludedNamespaces, Label: cfg.EnrollmentLabel}
@@ -315,8 +325,8 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		}
 	}
 	p.podInf.Core().V1().Pods().Informer().AddEventHandler(handlerFuncs(podChanged, podChanged))
-	p.nsInf.Core().V1().Namespaces().Informer().AddEventHandler(handlerFuncs(func(obj any) {
-		if ns, ok := obj.(*corev1.Namespace); ok {
+	p.nsInf.ForResource(namespacesResource).Informer().AddEventHandler(handlerFuncs(func(obj any) {
+		if ns, ok := obj.(*metav1.PartialObjectMetadata); ok {
 			for _, pod := range p.pods.podsOfNamespace(ns.Name) {
 				key := types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}
 				a.refreshPassList(p.passList, key)
@@ -437,7 +447,7 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, fun
 		go p.uninstall.run(p.stopUninstallWatch)
 	}
 	a.log.Info("waiting for the pod and namespace watches to sync")
-	if !cache.WaitForCacheSync(ctx.Done(), p.podInf.Core().V1().Pods().Informer().HasSynced, p.nsInf.Core().V1().Namespaces().Informer().HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), p.podInf.Core().V1().Pods().Informer().HasSynced, p.nsInf.ForResource(namespacesResource).Informer().HasSynced) {
 		return ctx.Err()
 	}
 	a.restore(ctx, p.pods, p.probes)
@@ -474,7 +484,7 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, fun
 		run("gate "+gate.Name(), func(ctx context.Context) error { return gate.Run(ctx, a.Ready) })
 	}
 	run("observability", func(ctx context.Context) error {
-		return observe.Serve(ctx, a.log, cfg.HealthAddr, cfg.MetricsAddr, a.Metrics, a.Ready)
+		return observe.Serve(ctx, a.log, cfg.HealthAddr, cfg.MetricsAddr, a.Metrics, a.Ready, cfg.DebugPprof)
 	})
 	return nil
 }

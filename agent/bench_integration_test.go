@@ -121,15 +121,60 @@ func procField(pid int, field string) string {
 	return ""
 }
 
+// memory is the agent's memory at one moment: RSS from procfs, split into
+// file pages (the binary's code and data that were touched) and anonymous
+// memory; and what its Go runtime says it holds (the heap's in-use spans,
+// goroutine stacks, everything the runtime has mapped), from its /metrics.
+type memory struct{ rss, rssFile, rssAnon, heapInuse, stacks, goSys float64 } // MiB
+
+func (p *agentProcess) memory(b *testing.B) memory {
+	kib := func(field string) float64 {
+		var v float64
+		fmt.Sscanf(procField(p.cmd.Process.Pid, field), "%f", &v)
+		return v / 1024
+	}
+	const mib = 1 << 20
+	return memory{rss: kib("VmRSS"), rssFile: kib("RssFile"), rssAnon: kib("RssAnon"),
+		heapInuse: p.metric(b, "go_memstats_heap_inuse_bytes") / mib,
+		stacks:    p.metric(b, "go_memstats_stack_inuse_bytes") / mib, goSys: p.metric(b, "go_memstats_sys_bytes") / mib}
+}
+
+// heapProfile saves the agent's heap profile into dir as <name>.pb.gz,
+// when dir is set (INPOD_BENCH_HEAP_PROFILES; the agent then runs with
+// --debug-pprof): go tool pprof -sample_index=inuse_space shows who holds
+// the heap.
+func (p *agentProcess) heapProfile(b *testing.B, dir, name string) {
+	if dir == "" {
+		return
+	}
+	resp, err := noKeepAlive.Get("http://" + p.metrics + "/debug/pprof/heap?gc=1")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		b.Fatalf("heap profile: %v (HTTP %d)", err, resp.StatusCode)
+	}
+	if err := os.WriteFile(filepath.Join(dir, name+".pb.gz"), data, 0o644); err != nil {
+		b.Fatal(err)
+	}
+}
+
 func openFDs(pid int) int {
 	entries, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
 	return len(entries)
 }
 
+// noKeepAlive closes each connection to the agent after its answer: an
+// idle one would count among the agent's open fds, which the cycles below
+// compare.
+var noKeepAlive = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+
 // metric reads one series' value from the agent's /metrics (0 when it is
 // absent).
 func (p *agentProcess) metric(b *testing.B, series string) float64 {
-	resp, err := http.Get("http://" + p.metrics + "/metrics")
+	resp, err := noKeepAlive.Get("http://" + p.metrics + "/metrics")
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -168,18 +213,29 @@ func (w *world) restart(p *agentProcess, bin string) (*agentProcess, time.Durati
 // (rules applied and ztunnel's ack included) for pods one at a time and 50
 // at once, each next to its floor measured in the same run (echo plugin
 // execs and the same rule applies into fresh netns); the agent's RSS with
-// 250 enrolled pods; its open fds before and after 1,000 enroll/remove
-// cycles; and the time a restarted agent takes to be ready with the 250
-// pods running and reconciled, against a restart with no pods. Run it with
-// -benchtime 1x.
+// 0, 250 and 1,000 enrolled pods (and its Go heap in use next to it); its
+// open fds before and after 1,000 enroll/remove cycles; and the time a
+// restarted agent takes to be ready with the 250 pods running and
+// reconciled, against a restart with no pods. Run it with -benchtime 1x;
+// INPOD_BENCH_HEAP_PROFILES=dir also saves the agent's heap profiles at 0,
+// 250 and 1,000 pods there.
 func BenchmarkIntegrationEnrollment(b *testing.B) {
+	profiles := os.Getenv("INPOD_BENCH_HEAP_PROFILES")
+	if profiles != "" {
+		// The agent process inherits the environment.
+		b.Setenv("INPOD_DEBUG_PPROF", "true")
+	}
 	w := newWorld(b)
 	// A stand-in that reconnects within 5 ms, so that the restart figures
 	// measure the agent, not the stand-in's backoff.
 	w.stopStandin()
 	w.standin, w.stopStandin = ztunnel.Start(b, ztunnel.Config{SocketPath: w.cfg.ZDSSocket, MinBackoff: time.Millisecond, MaxBackoff: 5 * time.Millisecond})
 	bin := filepath.Join(b.TempDir(), "inpod-agent")
-	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/inpod-agent").CombinedOutput(); err != nil {
+	// Built as the image builds it (e2e/images), so its RSS is the shipped
+	// binary's: static, without cgo's libc mapped.
+	build := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", bin, "../cmd/inpod-agent")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
 		b.Fatalf("build inpod-agent: %v: %s", err, out)
 	}
 	echo, err := plugintest.BuildEcho(b.TempDir())
@@ -190,6 +246,8 @@ func BenchmarkIntegrationEnrollment(b *testing.B) {
 	agentProc, emptyRestart := w.restart(agentProc, bin)
 	pid := agentProc.cmd.Process.Pid
 	ctx := context.Background()
+	mem0 := agentProc.memory(b)
+	agentProc.heapProfile(b, profiles, "heap-0-pods")
 
 	const total = 250
 	pods := make([]*corev1.Pod, total)
@@ -225,8 +283,8 @@ func BenchmarkIntegrationEnrollment(b *testing.B) {
 	}
 	b.StopTimer()
 	w.eventually("250 workloads at ztunnel", func() bool { return len(w.standin.Workloads()) == total })
-	var rssKiB float64
-	fmt.Sscanf(procField(pid, "VmRSS"), "%f", &rssKiB)
+	mem250 := agentProc.memory(b)
+	agentProc.heapProfile(b, profiles, "heap-250-pods")
 
 	// 1,000 enroll/remove cycles on one pod: every netns fd opened for an
 	// ADD must be closed by its DEL.
@@ -254,7 +312,7 @@ func BenchmarkIntegrationEnrollment(b *testing.B) {
 	b.ReportMetric(ms(many, 99), "50-at-once-p99-ms")
 	b.ReportMetric(ms(burstFloor, 50), "50-at-once-floor-p50-ms")
 	b.ReportMetric(ms(burstFloor, 99), "50-at-once-floor-p99-ms")
-	b.ReportMetric(rssKiB/1024, "agent-RSS-250-pods-MiB")
+	b.ReportMetric(mem250.rss, "agent-RSS-250-pods-MiB")
 	b.ReportMetric(float64(fdsBefore), "fds-before-cycles")
 	b.ReportMetric(float64(fdsAfter), "fds-after-1000-cycles")
 
@@ -279,7 +337,9 @@ func BenchmarkIntegrationEnrollment(b *testing.B) {
 	for _, p := range []int{50, 99} {
 		rec(burst+", against the exec floor alone", many, p, execFloorN, burstExecFloor, "")
 	}
-	benchreport.Record(b, benchreport.Figure{Section: section, Name: "agent RSS with 250 enrolled pods", Value: rssKiB / 1024, Unit: "MiB", Target: "≤ 40 MiB (#19)"})
+	benchreport.Record(b, benchreport.Figure{Section: section, Name: "agent RSS with 0 enrolled pods", Value: mem0.rss, Unit: "MiB"})
+	benchreport.Record(b, benchreport.Figure{Section: section, Name: "agent RSS with 250 enrolled pods", Value: mem250.rss, Unit: "MiB",
+		FloorName: "0 enrolled pods", Floor: mem0.rss, Target: "≤ 40 MiB (#19)"})
 	benchreport.Record(b, benchreport.Figure{Section: section, Name: "agent's open fds after 1,000 enroll/remove cycles", Value: float64(fdsAfter), Unit: "count",
 		FloorName: "before the cycles", Floor: float64(fdsBefore), Target: "= before"})
 
@@ -301,4 +361,31 @@ func BenchmarkIntegrationEnrollment(b *testing.B) {
 	b.ReportMetric(benchreport.Ms(emptyRestart), "restart-0-pods-ready-ms")
 	benchreport.Record(b, benchreport.Figure{Section: section, Name: "agent restarted (SIGKILL) with 250 running pods → ready, every pod reconciled",
 		Value: benchreport.Ms(fullRestart), Unit: "ms", FloorName: "the same restart with no pods", Floor: benchreport.Ms(emptyRestart)})
+
+	// 750 more, to 1,000 enrolled pods: what each pod costs. (After the
+	// restart above, so that it still timed 250 running pods.)
+	const more = 1000
+	for i := total; i < more; i++ {
+		pod, sandbox := w.pod("mesh", fmt.Sprintf("p%d", i))
+		pods, sandboxes = append(pods, pod), append(sandboxes, sandbox)
+	}
+	for i := total; i < more; i++ {
+		w.execCNI(b, "ADD", pods[i], sandboxes[i], ip(i))
+	}
+	w.eventually("1,000 workloads at ztunnel", func() bool { return len(w.standin.Workloads()) == more })
+	mem1000 := agentProc.memory(b)
+	agentProc.heapProfile(b, profiles, "heap-1000-pods")
+	b.ReportMetric(mem1000.rss, "agent-RSS-1000-pods-MiB")
+	benchreport.Record(b, benchreport.Figure{Section: section, Name: "agent RSS with 1,000 enrolled pods", Value: mem1000.rss, Unit: "MiB",
+		FloorName: "0 enrolled pods", Floor: mem0.rss})
+	benchreport.Record(b, benchreport.Figure{Section: section, Name: "agent RSS per enrolled pod, 250 → 1,000 pods", Value: (mem1000.rss - mem250.rss) * 1024 / (more - total), Unit: "KiB"})
+	for _, m := range []struct {
+		pods int
+		mem  memory
+	}{{0, mem0}, {250, mem250}, {more, mem1000}} {
+		b.Logf("agent memory with %d enrolled pods: RSS %.1f MiB (file %.1f, anonymous %.1f), Go heap in use %.1f MiB, goroutine stacks %.1f MiB, Go runtime mapped %.1f MiB",
+			m.pods, m.mem.rss, m.mem.rssFile, m.mem.rssAnon, m.mem.heapInuse, m.mem.stacks, m.mem.goSys)
+	}
+	benchreport.Record(b, benchreport.Figure{Section: section, Name: "agent Go heap in use with 250 enrolled pods (part of its RSS)", Value: mem250.heapInuse, Unit: "MiB",
+		FloorName: "0 enrolled pods", Floor: mem0.heapInuse})
 }

@@ -14,6 +14,9 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	listersv1 "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/metadata"
+	"k8s.io/client-go/metadata/metadatainformer"
+	"k8s.io/client-go/metadata/metadatalister"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
@@ -28,19 +31,89 @@ type podCache struct {
 	// read from the API is answered only when bound here.
 	node       string
 	pods       listersv1.PodLister
-	namespaces listersv1.NamespaceLister
+	namespaces metadatalister.Lister
 	// cacheWait bounds how long a CNI event waits for the watch to deliver a
 	// pod it has not seen yet, before one direct API read.
 	cacheWait time.Duration
 }
 
-func newInformers(client kubernetes.Interface, node string) (podInf, nsInf informers.SharedInformerFactory) {
-	podInf = informers.NewSharedInformerFactoryWithOptions(client, 0,
+var namespacesResource = corev1.SchemeGroupVersion.WithResource("namespaces")
+
+// newInformers builds the pod watch (this node's pods) and the namespace
+// watch. Both keep only what the agent reads (trimPod, trimNamespace): the
+// caches hold every pod of the node and every namespace of the cluster for
+// the agent's whole life, on every node, and the rest of each object (its
+// containers, volumes, managedFields, status of each container) was most
+// of the agent's heap. Namespaces are watched as metadata only, since
+// labels are all the policy reads of them.
+func newInformers(client kubernetes.Interface, meta metadata.Interface, node string) (informers.SharedInformerFactory, metadatainformer.SharedInformerFactory) {
+	podInf := informers.NewSharedInformerFactoryWithOptions(client, 0,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", node).String()
-		}))
-	nsInf = informers.NewSharedInformerFactory(client, 0)
+		}),
+		informers.WithTransform(trimPod))
+	nsInf := metadatainformer.NewSharedInformerFactoryWithOptions(meta, 0, metadatainformer.WithTransform(trimNamespace))
 	return podInf, nsInf
+}
+
+// keptPodAnnotations are the only annotations of a pod the agent reads.
+var keptPodAnnotations = []string{enroll.RedirectionAnnotation, enroll.MirrorAnnotation}
+
+// trimPod keeps of a pod exactly what the agent reads from its cache:
+//   - the policy (enroll.Policy): namespace, labels, spec.hostNetwork;
+//   - the pipeline (agent/enroll): name, UID, the redirection and mirror
+//     annotations, spec.serviceAccountName (sent to ztunnel), status.phase,
+//     the pod IPs, and the PodReadyToStartContainers condition (a new
+//     sandbox; see enroll's sandboxMayHaveChanged); events on the pod need
+//     its name, namespace, UID and resourceVersion;
+//   - the uninstall check (removal.go): spec.nodeName, deletionTimestamp,
+//     the controlling owner reference, labels, status.phase.
+//
+// Anything else is dropped, managedFields first. A new reader of a pod
+// field must be added here, or it reads the zero value: TestTrimPodKeeps...
+// holds the list. Idempotent, as client-go requires (a transform may see
+// an object it already transformed).
+func trimPod(obj any) (any, error) {
+	pod, ok := obj.(*corev1.Pod)
+	if !ok {
+		return obj, nil
+	}
+	out := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{
+			Name: pod.Name, Namespace: pod.Namespace, UID: pod.UID, ResourceVersion: pod.ResourceVersion,
+			Labels: pod.Labels, DeletionTimestamp: pod.DeletionTimestamp,
+		},
+		Spec:   corev1.PodSpec{NodeName: pod.Spec.NodeName, HostNetwork: pod.Spec.HostNetwork, ServiceAccountName: pod.Spec.ServiceAccountName},
+		Status: corev1.PodStatus{Phase: pod.Status.Phase, PodIP: pod.Status.PodIP, PodIPs: pod.Status.PodIPs},
+	}
+	for _, k := range keptPodAnnotations {
+		if v, ok := pod.Annotations[k]; ok {
+			if out.Annotations == nil {
+				out.Annotations = make(map[string]string, len(keptPodAnnotations))
+			}
+			out.Annotations[k] = v
+		}
+	}
+	if ref := metav1.GetControllerOfNoCopy(pod); ref != nil {
+		out.OwnerReferences = []metav1.OwnerReference{*ref}
+	}
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.PodReadyToStartContainers {
+			out.Status.Conditions = []corev1.PodCondition{{Type: c.Type, Status: c.Status, LastTransitionTime: c.LastTransitionTime}}
+		}
+	}
+	return out, nil
+}
+
+// trimNamespace keeps of a namespace's metadata what the agent reads: its
+// name and labels (the enrollment label), and what identifies the object.
+func trimNamespace(obj any) (any, error) {
+	ns, ok := obj.(*metav1.PartialObjectMetadata)
+	if !ok {
+		return obj, nil
+	}
+	return &metav1.PartialObjectMetadata{TypeMeta: ns.TypeMeta, ObjectMeta: metav1.ObjectMeta{
+		Name: ns.Name, UID: ns.UID, ResourceVersion: ns.ResourceVersion, Labels: ns.Labels}}, nil
 }
 
 func (c *podCache) Pod(ctx context.Context, namespace, name string) (*corev1.Pod, error) {
@@ -63,10 +136,20 @@ func (c *podCache) Pod(ctx context.Context, namespace, name string) (*corev1.Pod
 // cache must never read as "not labelled".
 func (c *podCache) Namespace(ctx context.Context, name string) (*corev1.Namespace, error) {
 	return cachedOrRead(ctx, c.cacheWait,
-		func() (*corev1.Namespace, error) { return c.namespaces.Get(name) },
+		func() (*corev1.Namespace, error) { return c.cachedNamespace(name) },
 		func(ctx context.Context) (*corev1.Namespace, error) {
 			return c.client.CoreV1().Namespaces().Get(ctx, name, metav1.GetOptions{})
 		})
+}
+
+// cachedNamespace is the namespace as the metadata watch has it: the
+// policy reads only its labels.
+func (c *podCache) cachedNamespace(name string) (*corev1.Namespace, error) {
+	m, err := c.namespaces.Get(name)
+	if err != nil {
+		return nil, err
+	}
+	return &corev1.Namespace{ObjectMeta: m.ObjectMeta}, nil
 }
 
 // cachedOrRead answers from the cache, waiting up to wait for the watch to
@@ -102,7 +185,7 @@ func (c *podCache) notEnrolled(policy enroll.Policy) passlist.Decide {
 		// The UID the runtime will name, so a static pod's sandbox
 		// (named by its manifest's hash) matches its mirror's entry.
 		uid := enroll.SandboxUID(pod)
-		ns, err := c.namespaces.Get(namespace)
+		ns, err := c.cachedNamespace(namespace)
 		if err != nil {
 			return uid, false, true
 		}

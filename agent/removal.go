@@ -66,7 +66,7 @@ type uninstallWatch struct {
 }
 
 func newUninstallWatch(log *slog.Logger, client kubernetes.Interface, node string, self types.NamespacedName, selector labels.Selector, pods listersv1.PodLister) *uninstallWatch {
-	f := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(self.Namespace))
+	f := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(self.Namespace), informers.WithTransform(trimDaemonSet))
 	ds := f.Apps().V1().DaemonSets()
 	w := &uninstallWatch{log: log, client: client, node: node, self: self, selector: selector, pods: pods,
 		daemonSets: ds.Informer(), dsLister: ds.Lister(), deleted: map[types.UID]bool{}}
@@ -88,6 +88,19 @@ func newUninstallWatch(log *slog.Logger, client kubernetes.Interface, node strin
 		},
 	})
 	return w
+}
+
+// trimDaemonSet keeps of a DaemonSet what the uninstall check reads from
+// the watch: what identifies it, its deletion, its pods' labels.
+func trimDaemonSet(obj any) (any, error) {
+	d, ok := obj.(*appsv1.DaemonSet)
+	if !ok {
+		return obj, nil
+	}
+	out := &appsv1.DaemonSet{ObjectMeta: metav1.ObjectMeta{Name: d.Name, Namespace: d.Namespace, UID: d.UID,
+		ResourceVersion: d.ResourceVersion, DeletionTimestamp: d.DeletionTimestamp}}
+	out.Spec.Template.Labels = d.Spec.Template.Labels
+	return out, nil
 }
 
 func (w *uninstallWatch) markDeleted(uid types.UID) {

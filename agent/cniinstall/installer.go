@@ -7,11 +7,12 @@
 package cniinstall
 
 import (
-	"bytes"
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -74,7 +75,10 @@ type Installer struct {
 	cfg   Config
 	log   *slog.Logger
 	entry json.RawMessage
-	want  map[string][]byte // each binary's content, by name
+	// want is each binary's digest, by name. Not the bytes: the two
+	// binaries are ~9 MiB, which the agent held for its whole life and
+	// read again on every check, most of its heap.
+	want map[string]digest
 
 	mu        sync.Mutex
 	installed bool
@@ -102,14 +106,13 @@ func New(cfg Config) (*Installer, error) {
 	if cfg.MaxRepairsPerMinute <= 0 {
 		cfg.MaxRepairsPerMinute = 5
 	}
-	want := map[string][]byte{}
+	want := map[string]digest{}
 	for _, name := range binaries {
-		src := filepath.Join(cfg.SourceDir, name)
-		data, err := os.ReadFile(src)
+		d, err := digestOf(filepath.Join(cfg.SourceDir, name))
 		if err != nil {
 			return nil, fmt.Errorf("cniinstall: read the binary to install: %w", err)
 		}
-		want[name] = data
+		want[name] = d
 	}
 	entry, err := cfg.Entry.marshal()
 	if err != nil {
@@ -135,11 +138,11 @@ type Status struct {
 func (i *Installer) Check() Status {
 	for _, name := range binaries {
 		bin := filepath.Join(i.cfg.BinDir, name)
-		have, err := os.ReadFile(bin)
+		same, err := i.matches(bin, name)
 		if err != nil {
 			return Status{Reason: fmt.Sprintf("plugin binary %s: %v", bin, err)}
 		}
-		if !bytes.Equal(have, i.want[name]) {
+		if !same {
 			return Status{Reason: fmt.Sprintf("plugin binary %s differs from this agent's", bin)}
 		}
 	}
@@ -195,13 +198,22 @@ func (i *Installer) Install() (Status, error) {
 
 func (i *Installer) installBinary(name string) error {
 	dst := filepath.Join(i.cfg.BinDir, name)
-	if have, err := os.ReadFile(dst); err == nil && bytes.Equal(have, i.want[name]) {
+	if same, err := i.matches(dst, name); err == nil && same {
 		return nil
+	}
+	// Read only to copy, and dropped again: installs are rare (the first,
+	// and repairs).
+	data, err := os.ReadFile(filepath.Join(i.cfg.SourceDir, name))
+	if err != nil {
+		return fmt.Errorf("cniinstall: read the binary to install: %w", err)
+	}
+	if (digest{int64(len(data)), sha256.Sum256(data)}) != i.want[name] {
+		return fmt.Errorf("cniinstall: %s changed in %s since the agent started; not installing it", name, i.cfg.SourceDir)
 	}
 	if err := os.MkdirAll(i.cfg.BinDir, 0o755); err != nil {
 		return fmt.Errorf("cniinstall: %w", err)
 	}
-	if err := writeFile(dst, i.want[name], 0o755); err != nil {
+	if err := writeFile(dst, data, 0o755); err != nil {
 		return err
 	}
 	i.log.Info("installed a plugin binary", "path", dst)
@@ -428,6 +440,44 @@ func fileMode(path string) os.FileMode {
 }
 
 // writeFile replaces a file atomically, naming the package in errors.
+// digest identifies a binary's content.
+type digest struct {
+	size int64
+	sum  [sha256.Size]byte
+}
+
+// matches says whether the file at path is the binary name of this
+// agent's image; one of another size differs without being read.
+func (i *Installer) matches(path, name string) (bool, error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return false, err
+	}
+	if fi.Size() != i.want[name].size {
+		return false, nil
+	}
+	d, err := digestOf(path)
+	return d == i.want[name], err
+}
+
+// digestOf streams the file through SHA-256, so a check holds no copy of
+// it.
+func digestOf(path string) (digest, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return digest{}, err
+	}
+	defer f.Close()
+	h := sha256.New()
+	n, err := io.Copy(h, f)
+	if err != nil {
+		return digest{}, err
+	}
+	d := digest{size: n}
+	h.Sum(d.sum[:0])
+	return d, nil
+}
+
 func writeFile(path string, data []byte, mode os.FileMode) error {
 	if err := atomicfile.Write(path, data, mode); err != nil {
 		return fmt.Errorf("cniinstall: %w", err)

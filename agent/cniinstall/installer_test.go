@@ -5,6 +5,7 @@ import (
 	"flag"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -319,4 +320,45 @@ func TestRunStopsRepairingWhenSomethingKeepsRewriting(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// The agent holds its installer for its whole life and checks every 30 s:
+// neither may cost the binaries' size in memory (~9 MiB for the real ones,
+// most of the agent's heap when it held them and read them on each check).
+func TestInstallerHoldsNoCopyOfTheBinaries(t *testing.T) {
+	e := newEnv(t, "cilium")
+	const size = 8 << 20
+	big := make([]byte, size)
+	for i := range big {
+		big[i] = byte(i * 7)
+	}
+	for _, name := range []string{"inpod-cni", "inpod-cni-apicheck"} {
+		if err := os.WriteFile(filepath.Join(e.source, name), big, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	heap := func() uint64 {
+		var m runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&m)
+		return m.HeapAlloc
+	}
+	before := heap()
+	inst := e.installer(t, nil)
+	if _, err := inst.Install(); err != nil {
+		t.Fatal(err)
+	}
+	if held := int64(heap()) - int64(before); held > size/4 {
+		t.Errorf("the installer holds %d KiB after installing 2 binaries of %d KiB", held>>10, size>>10)
+	}
+	var m0, m1 runtime.MemStats
+	runtime.ReadMemStats(&m0)
+	if st := inst.Check(); !st.Installed {
+		t.Fatalf("Check after Install = %+v", st)
+	}
+	runtime.ReadMemStats(&m1)
+	if alloc := m1.TotalAlloc - m0.TotalAlloc; alloc > size/4 {
+		t.Errorf("a check allocated %d KiB for 2 binaries of %d KiB", alloc>>10, size>>10)
+	}
+	runtime.KeepAlive(inst)
 }

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"strings"
 	"sync"
 	"time"
@@ -192,8 +193,11 @@ func (m *Metrics) Readiness(st readiness.State) {
 
 // Serve runs the health endpoints (healthAddr: /healthz, /readyz) and the
 // metrics endpoint (metricsAddr: /metrics) until ctx ends. /readyz answers
-// 503 naming the failing conditions while the node is not ready.
-func Serve(ctx context.Context, log *slog.Logger, healthAddr, metricsAddr string, m *Metrics, ready *readiness.Aggregate) error {
+// 503 naming the failing conditions while the node is not ready. With
+// debugPprof the metrics listener also serves Go's profiles under
+// /debug/pprof/ (heap, goroutines, CPU): off by default, since they expose
+// the agent's internals to anyone who reaches the node's port.
+func Serve(ctx context.Context, log *slog.Logger, healthAddr, metricsAddr string, m *Metrics, ready *readiness.Aggregate, debugPprof bool) error {
 	health := http.NewServeMux()
 	health.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("ok\n")) })
 	health.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
@@ -206,7 +210,18 @@ func Serve(ctx context.Context, log *slog.Logger, healthAddr, metricsAddr string
 		w.Write([]byte("ready\n"))
 	})
 	metrics := http.NewServeMux()
-	metrics.Handle("/metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
+	// Uncompressed: the page is a few KiB, and each gzip writer promhttp
+	// pools is ~0.9 MiB, a third of the agent's live heap in a heap
+	// profile taken after scrapes.
+	metrics.Handle("/metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{DisableCompression: true}))
+	if debugPprof {
+		metrics.HandleFunc("/debug/pprof/", pprof.Index)
+		metrics.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+		metrics.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		metrics.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		metrics.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		log.Warn("serving Go profiles on the metrics address (--debug-pprof)", "path", "/debug/pprof/")
+	}
 	errc := make(chan error, 2)
 	var servers []*http.Server
 	for _, s := range []struct {

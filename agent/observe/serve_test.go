@@ -47,7 +47,9 @@ func TestHealthReadinessAndMetricsEndpoints(t *testing.T) {
 	health, metrics := freeAddr(t), freeAddr(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Serve(ctx, slog.New(slog.NewTextHandler(io.Discard, nil)), health, metrics, m, ready) }()
+	go func() {
+		done <- Serve(ctx, slog.New(slog.NewTextHandler(io.Discard, nil)), health, metrics, m, ready, false)
+	}()
 	defer func() { cancel(); <-done }()
 
 	if code, _ := get(t, "http://"+health+"/healthz"); code != 200 {

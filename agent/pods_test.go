@@ -1,0 +1,203 @@
+package agent
+
+import (
+	"reflect"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/reference"
+
+	"github.com/inpod-dev/inpod/agent/enroll"
+)
+
+// podRead is every field of a cached pod the agent reads: the policy, the
+// pipeline, events and the uninstall check. trimPod must keep each of them.
+type podRead struct {
+	Name, Namespace, UID, ResourceVersion string
+	Labels                                map[string]string
+	Redirection, Mirror, SandboxUID       string
+	Deleting                              bool
+	Controller                            *metav1.OwnerReference
+	NodeName, ServiceAccount              string
+	HostNetwork                           bool
+	Phase                                 corev1.PodPhase
+	PodIP                                 string
+	PodIPs                                []corev1.PodIP
+	SandboxReady                          []corev1.PodCondition
+	EventRef                              *corev1.ObjectReference
+}
+
+func readOf(t *testing.T, p *corev1.Pod) podRead {
+	t.Helper()
+	ref, err := reference.GetReference(scheme.Scheme, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sandboxReady []corev1.PodCondition
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReadyToStartContainers {
+			sandboxReady = append(sandboxReady, corev1.PodCondition{Type: c.Type, Status: c.Status, LastTransitionTime: c.LastTransitionTime})
+		}
+	}
+	return podRead{Name: p.Name, Namespace: p.Namespace, UID: string(p.UID), ResourceVersion: p.ResourceVersion, Labels: p.Labels,
+		Redirection: p.Annotations[enroll.RedirectionAnnotation], Mirror: p.Annotations[enroll.MirrorAnnotation], SandboxUID: enroll.SandboxUID(p),
+		Deleting: p.DeletionTimestamp != nil, Controller: metav1.GetControllerOf(p), NodeName: p.Spec.NodeName,
+		ServiceAccount: p.Spec.ServiceAccountName, HostNetwork: p.Spec.HostNetwork, Phase: p.Status.Phase, PodIP: p.Status.PodIP,
+		PodIPs: p.Status.PodIPs, SandboxReady: sandboxReady, EventRef: ref}
+}
+
+// A pod as the API server sends it: managedFields, a big last-applied
+// annotation, containers, volumes, container statuses.
+func fullPod(mod func(*corev1.Pod)) *corev1.Pod {
+	now := metav1.NewTime(time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC))
+	controller := true
+	p := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "web-0", UID: "uid-1", ResourceVersion: "42", Generation: 1,
+			CreationTimestamp: now, GenerateName: "web-",
+			Labels: map[string]string{"app": "web", "pod-template-hash": "abc"},
+			Annotations: map[string]string{"kubectl.kubernetes.io/last-applied-configuration": string(make([]byte, 4096)),
+				"prometheus.io/scrape": "true"},
+			OwnerReferences: []metav1.OwnerReference{
+				{APIVersion: "v1", Kind: "ConfigMap", Name: "not-the-controller", UID: "cm"},
+				{APIVersion: "apps/v1", Kind: "StatefulSet", Name: "web", UID: "sts", Controller: &controller},
+			},
+			Finalizers:    []string{"example.com/f"},
+			ManagedFields: []metav1.ManagedFieldsEntry{{Manager: "kubelet", Operation: metav1.ManagedFieldsOperationUpdate, FieldsType: "FieldsV1", FieldsV1: metav1.NewFieldsV1(`{"f:status":{}}`)}},
+		},
+		Spec: corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "web-sa",
+			Containers: []corev1.Container{{Name: "app", Image: "example.com/web:1", Env: []corev1.EnvVar{{Name: "A", Value: "b"}}}},
+			Volumes:    []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}}}},
+		Status: corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.0.0.7", PodIPs: []corev1.PodIP{{IP: "10.0.0.7"}, {IP: "fd00::7"}},
+			Conditions: []corev1.PodCondition{
+				{Type: corev1.PodScheduled, Status: corev1.ConditionTrue, LastTransitionTime: now},
+				{Type: corev1.PodReadyToStartContainers, Status: corev1.ConditionTrue, LastTransitionTime: now, Reason: "r", Message: "m"},
+				{Type: corev1.PodReady, Status: corev1.ConditionTrue, LastTransitionTime: now},
+			},
+			ContainerStatuses: []corev1.ContainerStatus{{Name: "app", Ready: true, ImageID: "sha256:abc"}}},
+	}
+	if mod != nil {
+		mod(p)
+	}
+	return p
+}
+
+// The transform keeps exactly what the agent reads: every read field is
+// equal on the trimmed pod, and so is every enrollment decision, for a
+// table of pods; and the bulk (managedFields, containers, other
+// annotations) is gone.
+func TestTrimPodKeepsWhatTheAgentReads(t *testing.T) {
+	deleting := metav1.NewTime(time.Date(2026, 12, 1, 11, 0, 0, 0, time.UTC))
+	pods := map[string]*corev1.Pod{
+		"plain":            fullPod(nil),
+		"labelled ambient": fullPod(func(p *corev1.Pod) { p.Labels[enroll.DataplaneModeLabel] = enroll.DataplaneAmbient }),
+		"opted out":        fullPod(func(p *corev1.Pod) { p.Labels[enroll.DataplaneModeLabel] = enroll.DataplaneNone }),
+		"custom label":     fullPod(func(p *corev1.Pod) { p.Labels["example.com/mesh"] = enroll.DataplaneAmbient }),
+		"host network": fullPod(func(p *corev1.Pod) {
+			p.Spec.HostNetwork = true
+			p.Labels[enroll.DataplaneModeLabel] = enroll.DataplaneAmbient
+		}),
+		"excluded namespace": fullPod(func(p *corev1.Pod) { p.Namespace = "kube-system" }),
+		"no labels":          fullPod(func(p *corev1.Pod) { p.Labels = nil }),
+		"annotated enabled":  fullPod(func(p *corev1.Pod) { p.Annotations[enroll.RedirectionAnnotation] = enroll.AnnotationEnabled }),
+		"annotated pending":  fullPod(func(p *corev1.Pod) { p.Annotations[enroll.RedirectionAnnotation] = enroll.AnnotationPending }),
+		"mirror of static":   fullPod(func(p *corev1.Pod) { p.Annotations[enroll.MirrorAnnotation] = "hash"; p.OwnerReferences = nil }),
+		"no annotations":     fullPod(func(p *corev1.Pod) { p.Annotations = nil }),
+		"terminating":        fullPod(func(p *corev1.Pod) { p.DeletionTimestamp = &deleting }),
+		"succeeded":          fullPod(func(p *corev1.Pod) { p.Status.Phase = corev1.PodSucceeded }),
+		"pending, no IPs":    fullPod(func(p *corev1.Pod) { p.Status = corev1.PodStatus{Phase: corev1.PodPending} }),
+		"only the old PodIP": fullPod(func(p *corev1.Pod) { p.Status.PodIPs = nil }),
+		"sandbox not ready":  fullPod(func(p *corev1.Pod) { p.Status.Conditions[1].Status = corev1.ConditionFalse }),
+		"agent pod": fullPod(func(p *corev1.Pod) {
+			p.Labels = labels.Set{"app.kubernetes.io/name": "inpod", "app.kubernetes.io/component": "agent"}
+		}),
+		"no controller":      fullPod(func(p *corev1.Pod) { p.OwnerReferences = p.OwnerReferences[:1] }),
+		"no status, no spec": {ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "bare", UID: "u"}},
+		"other node, no SA":  fullPod(func(p *corev1.Pod) { p.Spec.NodeName = "node-b"; p.Spec.ServiceAccountName = "" }),
+		"ambient, terminated": fullPod(func(p *corev1.Pod) {
+			p.Labels[enroll.DataplaneModeLabel] = enroll.DataplaneAmbient
+			p.Status.Phase = corev1.PodFailed
+		}),
+	}
+	namespaces := []*corev1.Namespace{
+		{ObjectMeta: metav1.ObjectMeta{Name: "mesh"}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{"example.com/mesh": enroll.DataplaneAmbient}}},
+		nil,
+	}
+	policies := []enroll.Policy{{ExcludedNamespaces: []string{"kube-system"}}, {Label: "example.com/mesh"}}
+	for name, orig := range pods {
+		before := orig.DeepCopy()
+		obj, err := trimPod(orig)
+		if err != nil {
+			t.Fatal(err)
+		}
+		trimmed := obj.(*corev1.Pod)
+		if !reflect.DeepEqual(orig, before) {
+			t.Errorf("%s: trimPod changed the pod it was given", name)
+		}
+		if got, want := readOf(t, trimmed), readOf(t, orig); !reflect.DeepEqual(got, want) {
+			t.Errorf("%s: the agent reads\n%+v\nfrom the trimmed pod, want\n%+v", name, got, want)
+		}
+		for _, pol := range policies {
+			for _, ns := range namespaces {
+				if got, want := pol.Enrolled(trimmed, ns), pol.Enrolled(orig, ns); got != want {
+					t.Errorf("%s: enrolled = %v on the trimmed pod, %v on the original (policy %+v, namespace %+v)", name, got, want, pol, ns)
+				}
+			}
+			gotE, gotD := pol.ByPod(trimmed)
+			wantE, wantD := pol.ByPod(orig)
+			if gotE != wantE || gotD != wantD {
+				t.Errorf("%s: ByPod = %v, %v on the trimmed pod, %v, %v on the original", name, gotE, gotD, wantE, wantD)
+			}
+		}
+		if len(trimmed.ManagedFields) > 0 || len(trimmed.Spec.Containers) > 0 || len(trimmed.Spec.Volumes) > 0 ||
+			len(trimmed.Status.ContainerStatuses) > 0 || len(trimmed.Finalizers) > 0 || len(trimmed.Annotations) > 2 || len(trimmed.Status.Conditions) > 1 {
+			t.Errorf("%s: the trimmed pod keeps what the agent never reads: %+v", name, trimmed)
+		}
+		again, _ := trimPod(trimmed)
+		if !reflect.DeepEqual(again, trimmed) {
+			t.Errorf("%s: trimPod is not idempotent", name)
+		}
+	}
+}
+
+func TestTrimNamespaceAndDaemonSetKeepWhatTheAgentReads(t *testing.T) {
+	ns := &metav1.PartialObjectMetadata{TypeMeta: metav1.TypeMeta{APIVersion: "meta.k8s.io/v1", Kind: "PartialObjectMetadata"},
+		ObjectMeta: metav1.ObjectMeta{Name: "mesh", UID: "ns", ResourceVersion: "7",
+			Labels:        map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient, "kubernetes.io/metadata.name": "mesh"},
+			Annotations:   map[string]string{"kubectl.kubernetes.io/last-applied-configuration": "{}"},
+			ManagedFields: []metav1.ManagedFieldsEntry{{Manager: "kubectl"}}}}
+	obj, _ := trimNamespace(ns)
+	got := obj.(*metav1.PartialObjectMetadata)
+	if got.Name != ns.Name || !reflect.DeepEqual(got.Labels, ns.Labels) || got.ResourceVersion != ns.ResourceVersion || got.UID != ns.UID {
+		t.Errorf("trimmed namespace %+v lost what the agent reads of %+v", got, ns)
+	}
+	if len(got.ManagedFields) > 0 || len(got.Annotations) > 0 {
+		t.Errorf("trimmed namespace keeps what the agent never reads: %+v", got)
+	}
+	pol := enroll.Policy{}
+	pod := fullPod(nil)
+	if !pol.Enrolled(pod, &corev1.Namespace{ObjectMeta: got.ObjectMeta}) {
+		t.Error("a pod of a labelled namespace is not enrolled from the trimmed namespace")
+	}
+
+	deleting := metav1.Now()
+	ds := &appsv1.DaemonSet{ObjectMeta: metav1.ObjectMeta{Namespace: "inpod-system", Name: "inpod-agent", UID: "ds", ResourceVersion: "9",
+		DeletionTimestamp: &deleting, ManagedFields: []metav1.ManagedFieldsEntry{{Manager: "helm"}}},
+		Spec: appsv1.DaemonSetSpec{Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app.kubernetes.io/name": "inpod"}},
+			Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "agent"}}}}}}
+	obj, _ = trimDaemonSet(ds)
+	d := obj.(*appsv1.DaemonSet)
+	if d.Name != ds.Name || d.Namespace != ds.Namespace || d.UID != ds.UID || d.DeletionTimestamp != ds.DeletionTimestamp ||
+		!reflect.DeepEqual(d.Spec.Template.Labels, ds.Spec.Template.Labels) {
+		t.Errorf("trimmed DaemonSet %+v lost what the uninstall check reads of %+v", d, ds)
+	}
+	if len(d.ManagedFields) > 0 || len(d.Spec.Template.Spec.Containers) > 0 {
+		t.Errorf("trimmed DaemonSet keeps what the agent never reads: %+v", d)
+	}
+}
