@@ -3,7 +3,6 @@ package zds_test
 import (
 	"context"
 	"fmt"
-	"io"
 	"log/slog"
 	"testing"
 	"time"
@@ -115,4 +114,4 @@ func bareRoundTrips(b *testing.B, fd, n int) []time.Duration {
 	return out
 }
 
-func discardLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+func discardLogger() *slog.Logger { return slog.New(slog.DiscardHandler) }

@@ -23,18 +23,22 @@ type request struct {
 	netns   *os.File // sent as SCM_RIGHTS; only on add
 }
 
-// conn is one ztunnel connection. Its run goroutine owns the write side and
-// the in-flight slot; readLoop owns the read side.
+// conn is one ztunnel connection. A request is sent, and its Ack awaited,
+// by the goroutine that asks for it while it holds the connection's turn;
+// readLoop owns the read side and hands each Ack straight to that goroutine.
+// Holding the turn from the send until the Ack (or the connection's end) is
+// what keeps one request in flight, and so the pairing of acks.
 type conn struct {
 	id         uint64
 	uc         *net.UnixConn
 	ackTimeout time.Duration
 	log        *slog.Logger
 
-	// reqs is unbuffered: a request is handed over only when run is ready
-	// to send it, so nothing can be stranded in a queue when the
-	// connection dies.
-	reqs chan requestCall
+	// turn holds the one token that lets its holder send. It starts
+	// empty, the snapshot's, and gets the token once the snapshot is
+	// acknowledged; a waiter also watches done, so nothing is stranded
+	// when the connection dies.
+	turn chan struct{}
 	done chan struct{}
 
 	mu       sync.Mutex
@@ -45,19 +49,13 @@ type conn struct {
 	snapshotAcked bool
 }
 
-type requestCall struct {
-	ctx    context.Context
-	req    *request
-	result chan error
-}
-
 func newConn(id uint64, uc *net.UnixConn, ackTimeout time.Duration, log *slog.Logger) *conn {
 	return &conn{
 		id:         id,
 		uc:         uc,
 		ackTimeout: ackTimeout,
 		log:        log,
-		reqs:       make(chan requestCall),
+		turn:       make(chan struct{}, 1),
 		done:       make(chan struct{}),
 	}
 }
@@ -83,62 +81,62 @@ func (c *conn) closeReason() error {
 	return c.closeErr
 }
 
-// do hands r to the connection's goroutine and waits for the outcome.
+// do waits for the connection's turn, sends r and waits for its Ack, all
+// on the caller's goroutine: no hand-over to another goroutine on the way
+// out or back. A caller whose ctx ends while its request is on the wire
+// returns at once; the request keeps the turn until its Ack or the
+// connection's end settles it, so no later request is paired with that Ack.
 func (c *conn) do(ctx context.Context, r *request) error {
-	call := requestCall{ctx: ctx, req: r, result: make(chan error, 1)}
 	select {
-	case c.reqs <- call:
+	case <-c.turn:
 	case <-c.done:
 		return fmt.Errorf("%w (%s of pod %s)", ErrConnectionClosed, r.op, r.uid)
 	case <-ctx.Done():
 		return ctx.Err()
 	}
-	select {
-	case err := <-call.result:
+	if err := ctx.Err(); err != nil {
+		c.release()
 		return err
-	case <-ctx.Done():
-		// run still owns the request and will finish or time it out;
-		// the pairing of acks is not affected by the caller leaving.
+	}
+	ackc, err := c.send(r)
+	if err != nil {
+		c.release()
+		return err
+	}
+	timer := time.NewTimer(c.ackTimeout)
+	settled, err := c.await(ctx.Done(), r, ackc, timer)
+	if !settled {
+		go func() {
+			c.await(nil, r, ackc, timer)
+			c.release()
+		}()
 		return ctx.Err()
 	}
+	c.release()
+	return err
 }
 
-// run sends the snapshot, then serves requests until the connection ends.
-// A returned error is the reason to close.
+func (c *conn) release() { c.turn <- struct{}{} }
+
+// run sends the snapshot, opens the turn to requests, and waits for the
+// connection to end. A returned error is the reason to close.
 func (c *conn) run(ctx context.Context, src PodSource, snapshotAcked func()) error {
 	if err := c.sendSnapshot(ctx, src); err != nil {
 		return err
 	}
 	snapshotAcked()
-	for {
-		select {
-		case call := <-c.reqs:
-			if err := call.ctx.Err(); err != nil {
-				call.result <- err
-				continue
-			}
-			err := c.roundTrip(call.req)
-			call.result <- err
-			if err != nil && !pairingIntact(err) {
-				return err
-			}
-		case <-c.done:
-			return nil
-		case <-ctx.Done():
-			return errors.New("server shutting down")
-		}
+	c.release()
+	select {
+	case <-c.done:
+		return nil
+	case <-ctx.Done():
+		return errors.New("server shutting down")
 	}
 }
 
 func isAckError(err error) bool {
 	var ae *AckError
 	return errors.As(err, &ae)
-}
-
-// pairingIntact reports a failure of one request that leaves the connection
-// usable: ztunnel answered it with an error, or nothing was sent at all.
-func pairingIntact(err error) bool {
-	return isAckError(err) || errors.Is(err, ErrNetNSClosed)
 }
 
 func (c *conn) sendSnapshot(ctx context.Context, src PodSource) error {
@@ -218,53 +216,80 @@ func snapshotRequest(w Workload) (*request, error) {
 	return &request{op: "keep", uid: w.UID, payload: msg}, nil
 }
 
-// roundTrip sends r and waits for its Ack. Any error other than *AckError
-// leaves the connection unusable and closed.
+// roundTrip sends r and waits for its Ack; the caller holds the turn. Any
+// error other than *AckError or ErrNetNSClosed leaves the connection unusable
+// and closed.
 func (c *conn) roundTrip(r *request) error {
+	ackc, err := c.send(r)
+	if err != nil {
+		return err
+	}
+	_, err = c.await(nil, r, ackc, time.NewTimer(c.ackTimeout))
+	return err
+}
+
+// send puts r in flight and writes it; the caller holds the turn. On error
+// nothing is in flight.
+func (c *conn) send(r *request) (chan *zdspb.Ack, error) {
 	ackc := make(chan *zdspb.Ack, 1)
 	c.mu.Lock()
 	if c.closeErr != nil {
 		c.mu.Unlock()
-		return fmt.Errorf("%w (%s of pod %s)", ErrConnectionClosed, r.op, r.uid)
+		return nil, fmt.Errorf("%w (%s of pod %s)", ErrConnectionClosed, r.op, r.uid)
 	}
 	c.waiting = ackc
 	c.mu.Unlock()
-	defer func() {
-		c.mu.Lock()
-		c.waiting = nil
-		c.mu.Unlock()
-	}()
 
-	if err := c.send(r); err != nil {
+	if err := c.write(r); err != nil {
+		c.settle()
 		if errors.Is(err, ErrNetNSClosed) {
 			// Nothing was written: the connection's pairing is intact.
-			return fmt.Errorf("%w: %s of pod %s (%s)", ErrNetNSClosed, r.op, r.uid, r.netns.Name())
+			return nil, fmt.Errorf("%w: %s of pod %s (%s)", ErrNetNSClosed, r.op, r.uid, r.netns.Name())
 		}
 		err = fmt.Errorf("zds: send %s of pod %s: %w", r.op, r.uid, err)
 		c.fail(err)
 		if isPeerGone(err) {
-			return fmt.Errorf("%w: %v", ErrConnectionClosed, err)
+			return nil, fmt.Errorf("%w: %v", ErrConnectionClosed, err)
 		}
-		return err
+		return nil, err
 	}
-	timer := time.NewTimer(c.ackTimeout)
-	defer timer.Stop()
+	return ackc, nil
+}
+
+// settle marks nothing in flight.
+func (c *conn) settle() {
+	c.mu.Lock()
+	c.waiting = nil
+	c.mu.Unlock()
+}
+
+// await waits for the Ack of the request in flight, the connection's end,
+// or the ack timeout (which closes the connection). settled is false when
+// stop fired first: the request is still in flight and the caller must
+// await it again before giving up the turn.
+func (c *conn) await(stop <-chan struct{}, r *request, ackc chan *zdspb.Ack, timer *time.Timer) (settled bool, err error) {
 	select {
 	case ack := <-ackc:
+		timer.Stop()
 		if ack.GetError() != "" {
-			return &AckError{Op: r.op, UID: r.uid, Msg: ack.GetError()}
+			return true, &AckError{Op: r.op, UID: r.uid, Msg: ack.GetError()}
 		}
-		return nil
+		return true, nil
 	case <-c.done:
-		return fmt.Errorf("%w (%s of pod %s): %v", ErrConnectionClosed, r.op, r.uid, c.closeReason())
+		timer.Stop()
+		c.settle()
+		return true, fmt.Errorf("%w (%s of pod %s): %v", ErrConnectionClosed, r.op, r.uid, c.closeReason())
 	case <-timer.C:
 		err := fmt.Errorf("%w after %s (%s of pod %s); connection closed", ErrAckTimeout, c.ackTimeout, r.op, r.uid)
 		c.fail(err)
-		return err
+		c.settle()
+		return true, err
+	case <-stop:
+		return false, nil
 	}
 }
 
-func (c *conn) send(r *request) error {
+func (c *conn) write(r *request) error {
 	if err := c.uc.SetWriteDeadline(time.Now().Add(c.ackTimeout)); err != nil {
 		return err
 	}

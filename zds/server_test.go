@@ -542,3 +542,37 @@ func TestSnapshotSkipsEntriesZtunnelRejects(t *testing.T) {
 		t.Fatal("one rejected snapshot entry kept the others from ztunnel")
 	}
 }
+
+// A caller that gives up while its Add is on the wire must not let the next
+// request go out before that Add's Ack: the Ack would be credited to it.
+func TestCallerLeavingMidRequestKeepsAcksPaired(t *testing.T) {
+	pod := netnstest.New(t)
+	nsFile := pod.Open(t)
+	srv, path := startServer(t, &source{}, nil)
+	startStandin(t, path, func(c *ztunnel.Config) {
+		c.AckDelay = 300 * time.Millisecond
+		c.Reject = func(uid string) string {
+			if uid == "uid-second" {
+				return "refused"
+			}
+			return ""
+		}
+	})
+	waitState(t, srv, zds.State{Connections: 1, Ready: true})
+
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if err := srv.Add(ctx, podWorkload("uid-first", nsFile)); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("first Add = %v, want its context's deadline", err)
+	}
+	// The first Add's (successful) Ack is still to come; the second must
+	// get its own, an error.
+	err := srv.Add(context.Background(), podWorkload("uid-second", nsFile))
+	var ackErr *zds.AckError
+	if !errors.As(err, &ackErr) || ackErr.UID != "uid-second" {
+		t.Fatalf("second Add = %v, want the AckError ztunnel sent for it", err)
+	}
+	if st := srv.State(); st.Connections != 1 {
+		t.Fatalf("state %+v: the connection should have survived", st)
+	}
+}

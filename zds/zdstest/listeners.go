@@ -1,91 +1,220 @@
 package zdstest
 
 import (
-	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
 	"net/netip"
-	"strconv"
-	"syscall"
+	"os"
+	"runtime"
+	"sync"
 	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/inpod-dev/inpod/netns"
 )
 
 // soOriginalDst is SO_ORIGINAL_DST (and IP6T_SO_ORIGINAL_DST), 80 at both
 // SOL_IP and SOL_IPV6.
 const soOriginalDst = 80
 
-// listen binds the workload's listeners inside its netns. Sockets keep the
-// namespace they were created in, so only the socket() and bind() calls need
-// the thread to be in the pod netns; accepting happens anywhere.
-func (z *Standin) listen(w *workload) error {
+// nsSwitch enters pod netns from the session's goroutine: it locks the
+// goroutine to its thread only for the switch, so an Add costs no goroutine
+// hop and no new thread. host is the netns the stand-in's threads run in, to
+// which each switch returns.
+type nsSwitch struct {
+	host   *os.File
+	broken bool
+}
+
+func newNSSwitch() (*nsSwitch, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	host, err := os.Open("/proc/thread-self/ns/net")
+	if err != nil {
+		return nil, fmt.Errorf("open the stand-in's own netns: %w", err)
+	}
+	return &nsSwitch{host: host}, nil
+}
+
+// in runs fn with the calling goroutine's thread in the netns ns, and brings
+// it back. Sockets keep the namespace they were created in, so only socket()
+// and bind() need the switch. A thread that cannot be brought back stays
+// locked: the caller must end its goroutine (see poisoned), and the runtime
+// then discards the thread instead of reusing it in the wrong netns.
+func (sw *nsSwitch) in(ns *os.File, fn func() error) error {
+	runtime.LockOSThread()
+	if err := unix.Setns(int(ns.Fd()), unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("enter netns %s: %w", ns.Name(), err)
+	}
+	fnErr := fn()
+	if err := unix.Setns(int(sw.host.Fd()), unix.CLONE_NEWNET); err != nil {
+		sw.broken = true
+		return errors.Join(fnErr, fmt.Errorf("return to the stand-in's netns: %w", err))
+	}
+	runtime.UnlockOSThread()
+	return fnErr
+}
+
+func (sw *nsSwitch) poisoned() bool { return sw.broken }
+
+func (sw *nsSwitch) close() { sw.host.Close() }
+
+// ports are the listeners ztunnel binds in a pod, in binding order.
+func (z *Standin) ports() []int {
 	ports := []int{PortOutbound, PortInbound, PortHBONE}
 	if z.cfg.DNS {
 		ports = append(ports, PortDNS)
 	}
-	return netns.Do(w.netns, func() error {
-		for _, port := range ports {
-			for _, network := range []string{"tcp4", "tcp6"} {
-				ln, err := listenConfig.Listen(context.Background(), network, listenAddr(network, port))
+	return ports
+}
+
+// listen binds the workload's listeners inside its netns, on the session's
+// thread: each a socket marked and bound as ztunnel's, listening before the
+// Ack goes out. Only the system calls that make the sockets are on the Ack's
+// path; serveAll wraps each in a net.Listener afterwards.
+func (z *Standin) listen(sw *nsSwitch, w *workload) error {
+	return sw.in(w.netns, func() error {
+		for _, port := range z.ports() {
+			for _, v6 := range []bool{false, true} {
+				l, err := newSocket(port, v6, true)
 				if err != nil {
-					if network == "tcp6" && ipv6Unavailable(err) {
+					if v6 && ipv6Unavailable(err) {
 						continue
 					}
-					return fmt.Errorf("listen %s/%d: %w", network, port, err)
+					return err
 				}
-				w.listeners = append(w.listeners, ln)
-				go z.serve(w.info.UID, port, ln)
+				w.listeners = append(w.listeners, l)
 			}
 			if port == PortDNS {
-				pc, err := listenConfig.ListenPacket(context.Background(), "udp4", listenAddr("udp4", port))
+				l, err := newSocket(port, false, false)
 				if err != nil {
-					return fmt.Errorf("listen udp/%d: %w", port, err)
+					return err
 				}
-				w.listeners = append(w.listeners, pc)
+				w.listeners = append(w.listeners, l)
 			}
 		}
 		return nil
 	})
 }
 
-func listenAddr(network string, port int) string {
-	host := "0.0.0.0"
-	if network == "tcp6" {
-		host = "::"
-	}
-	return net.JoinHostPort(host, strconv.Itoa(port))
+// boundSocket is a socket bound (and, for TCP, listening) on the session's
+// thread. The goroutine that serves it turns it into a net.Listener; Close
+// may come first, from a Del.
+type boundSocket struct {
+	port int
+	tcp  bool
+
+	mu     sync.Mutex
+	fd     int // -1 once handed over to ln, or closed
+	ln     net.Listener
+	closed bool
 }
 
-// listenConfig marks every socket as ztunnel does, so the redirection rules
-// that exempt mark 0x539 see the stand-in's traffic as ztunnel's, and lets
-// several workloads in one netns (and a replaced proxy) share the port.
-var listenConfig = net.ListenConfig{Control: func(network, address string, rc syscall.RawConn) error {
-	var err error
-	cerr := rc.Control(func(fd uintptr) {
-		if err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, Mark); err != nil {
-			return
+// socketOpts are ztunnel's on every in-pod socket: its mark, so the rules
+// that exempt mark 0x539 see the stand-in's traffic as ztunnel's, and
+// SO_REUSEPORT, so several workloads in one netns (and a replaced proxy)
+// share the port; SO_REUSEADDR as Go and tokio set it on listeners.
+var socketOpts = [][2]int{{unix.SO_REUSEADDR, 1}, {unix.SO_MARK, Mark}, {unix.SO_REUSEPORT, 1}}
+
+// newSocket makes a TCP listener or a UDP socket on the wildcard address
+// of one family: plain TCP, as ztunnel's (not MPTCP, Go's default for its
+// own listeners where the kernel has it).
+func newSocket(port int, v6, tcp bool) (*boundSocket, error) {
+	family, sa := unix.AF_INET, unix.Sockaddr(&unix.SockaddrInet4{Port: port})
+	what := "4"
+	if v6 {
+		family, sa, what = unix.AF_INET6, &unix.SockaddrInet6{Port: port}, "6"
+	}
+	typ := unix.SOCK_STREAM
+	if what = "tcp" + what; !tcp {
+		typ, what = unix.SOCK_DGRAM, "udp"+what[3:]
+	}
+	fd, err := unix.Socket(family, typ|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("socket %s/%d: %w", what, port, err)
+	}
+	fail := func(op string, err error) (*boundSocket, error) {
+		unix.Close(fd)
+		return nil, fmt.Errorf("%s %s/%d: %w", op, what, port, err)
+	}
+	for _, o := range socketOpts {
+		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, o[0], o[1]); err != nil {
+			return fail("setsockopt", err)
 		}
-		if err = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1); err != nil {
-			return
+	}
+	if v6 {
+		if err := unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1); err != nil {
+			return fail("setsockopt", err)
 		}
-		if network == "tcp6" {
-			err = unix.SetsockoptInt(int(fd), unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1)
+	}
+	if err := unix.Bind(fd, sa); err != nil {
+		return fail("bind", err)
+	}
+	if tcp {
+		if err := unix.Listen(fd, unix.SOMAXCONN); err != nil {
+			return fail("listen", err)
 		}
-	})
-	return errors.Join(cerr, err)
-}}
+	}
+	return &boundSocket{port: port, tcp: tcp, fd: fd}, nil
+}
+
+// Close closes the socket, whether or not it is being served yet.
+func (b *boundSocket) Close() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.closed = true
+	if b.ln != nil {
+		return b.ln.Close()
+	}
+	if b.fd >= 0 {
+		err := unix.Close(b.fd)
+		b.fd = -1
+		return err
+	}
+	return nil
+}
+
+// listener hands the socket over to a net.Listener; it fails once closed.
+func (b *boundSocket) listener() (net.Listener, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return nil, net.ErrClosed
+	}
+	f := os.NewFile(uintptr(b.fd), fmt.Sprintf("listener:%d", b.port))
+	ln, err := net.FileListener(f) // serves a duplicate of the socket
+	f.Close()
+	b.fd = -1
+	if err != nil {
+		b.closed = true
+		return nil, err
+	}
+	b.ln = ln
+	return ln, nil
+}
+
+// serveAll starts answering on w's TCP listeners.
+func (z *Standin) serveAll(w *workload) {
+	for _, l := range w.listeners {
+		if b, ok := l.(*boundSocket); ok && b.tcp {
+			go z.serve(w.info.UID, b)
+		}
+	}
+}
 
 func ipv6Unavailable(err error) bool {
 	return errors.Is(err, unix.EADDRNOTAVAIL) || errors.Is(err, unix.EAFNOSUPPORT)
 }
 
-func (z *Standin) serve(uid string, port int, ln net.Listener) {
+func (z *Standin) serve(uid string, b *boundSocket) {
+	ln, err := b.listener()
+	if err != nil {
+		return
+	}
+	port := b.port
 	for {
 		c, err := ln.Accept()
 		if err != nil {

@@ -135,7 +135,7 @@ func (z *Standin) Run(ctx context.Context) error {
 	z.record(RecordEntry{Event: "start"})
 	backoff := z.cfg.MinBackoff
 	for {
-		err := z.session(ctx)
+		err := z.sessionOnOwnThread(ctx)
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -152,7 +152,24 @@ func (z *Standin) Run(ctx context.Context) error {
 	}
 }
 
-func (z *Standin) session(ctx context.Context) error {
+// sessionOnOwnThread runs one connection on a goroutine of its own, which
+// ends with it: a thread its netns switch could not bring back dies with that
+// goroutine (see nsSwitch.in).
+func (z *Standin) sessionOnOwnThread(ctx context.Context) error {
+	errc := make(chan error, 1)
+	go func() {
+		sw, err := newNSSwitch()
+		if err != nil {
+			errc <- err
+			return
+		}
+		defer sw.close()
+		errc <- z.session(ctx, sw)
+	}()
+	return <-errc
+}
+
+func (z *Standin) session(ctx context.Context, sw *nsSwitch) error {
 	var d net.Dialer
 	c, err := d.DialContext(ctx, "unixpacket", z.cfg.SocketPath)
 	if err != nil {
@@ -187,9 +204,14 @@ func (z *Standin) session(ctx context.Context) error {
 			}
 			return err
 		}
-		ackErr, isAdd, perr := z.handle(d, named)
+		ackErr, isAdd, started, perr := z.handle(sw, d, named)
 		if perr != nil {
 			return z.protocolError(perr)
+		}
+		if sw.poisoned() {
+			// The thread is stuck in a pod netns: end the connection
+			// (ztunnel would fail too) and let the thread die.
+			return errors.New("could not return the stand-in's thread to its own netns")
 		}
 		if isAdd && z.cfg.AckDelay > 0 {
 			select { // fault injection: a slow proxy start
@@ -199,7 +221,15 @@ func (z *Standin) session(ctx context.Context) error {
 			}
 		}
 		resp, _ := proto.Marshal(&zdspb.WorkloadResponse{Payload: &zdspb.WorkloadResponse_Ack{Ack: &zdspb.Ack{Error: ackErr}}})
-		if _, err := uc.Write(resp); err != nil {
+		_, err = uc.Write(resp)
+		// Accepting starts after the Ack: the listeners are bound and
+		// listening before it (what the Ack promises), so the kernel
+		// already queues connections; starting goroutines first would
+		// only delay the Ack.
+		if started != nil {
+			z.serveAll(started)
+		}
+		if err != nil {
 			return fmt.Errorf("send ack: %w", err)
 		}
 		if isAdd && ackErr == "" {
@@ -248,35 +278,37 @@ func (z *Standin) protocolError(err error) error {
 
 // handle applies one request. ackErr is the Ack's error text (a failure for
 // that workload only); perr is a protocol violation that ends the connection.
-func (z *Standin) handle(d zds.Datagram, named map[string]bool) (ackErr string, isAdd bool, perr error) {
+// started is a workload whose listeners were just bound, to be served once
+// its Ack is out.
+func (z *Standin) handle(sw *nsSwitch, d zds.Datagram, named map[string]bool) (ackErr string, isAdd bool, started *workload, perr error) {
 	var req zdspb.WorkloadRequest
 	if err := proto.Unmarshal(d.Payload, &req); err != nil {
 		d.CloseFDs()
-		return "", false, fmt.Errorf("undecodable WorkloadRequest: %w", err)
+		return "", false, nil, fmt.Errorf("undecodable WorkloadRequest: %w", err)
 	}
 	_, isAdd = req.Payload.(*zdspb.WorkloadRequest_Add)
-	ackErr, perr = z.apply(&req, d, named)
-	return ackErr, isAdd, perr
+	ackErr, started, perr = z.apply(sw, &req, d, named)
+	return ackErr, isAdd, started, perr
 }
 
-func (z *Standin) apply(req *zdspb.WorkloadRequest, d zds.Datagram, named map[string]bool) (ackErr string, perr error) {
+func (z *Standin) apply(sw *nsSwitch, req *zdspb.WorkloadRequest, d zds.Datagram, named map[string]bool) (ackErr string, started *workload, perr error) {
 	z.mu.Lock()
 	snapshotDone := z.snapshotDone
 	z.mu.Unlock()
 
 	if _, isAdd := req.Payload.(*zdspb.WorkloadRequest_Add); !isAdd && len(d.FDs) > 0 {
 		d.CloseFDs()
-		return "", fmt.Errorf("%T carried %d fds; only Add may carry one", req.Payload, len(d.FDs))
+		return "", nil, fmt.Errorf("%T carried %d fds; only Add may carry one", req.Payload, len(d.FDs))
 	}
 	switch p := req.Payload.(type) {
 	case *zdspb.WorkloadRequest_Add:
 		if len(d.FDs) != 1 {
 			d.CloseFDs()
-			return "", fmt.Errorf("add of %s carried %d fds, want exactly 1", p.Add.GetUid(), len(d.FDs))
+			return "", nil, fmt.Errorf("add of %s carried %d fds, want exactly 1", p.Add.GetUid(), len(d.FDs))
 		}
 		if err := netns.CheckFD(d.FDs[0]); err != nil {
 			d.CloseFDs()
-			return "", fmt.Errorf("add of %s: fd is not a network namespace: %w", p.Add.GetUid(), err)
+			return "", nil, fmt.Errorf("add of %s: fd is not a network namespace: %w", p.Add.GetUid(), err)
 		}
 		z.log.Info("add received", "uid", p.Add.GetUid())
 		ns := os.NewFile(uintptr(d.FDs[0]), "netns:"+p.Add.GetUid())
@@ -285,36 +317,37 @@ func (z *Standin) apply(req *zdspb.WorkloadRequest, d zds.Datagram, named map[st
 		}
 		if p.Add.GetWorkloadInfo() == nil {
 			ns.Close()
-			return "workload_info is required", nil
+			return "workload_info is required", nil, nil
 		}
 		if msg := z.reject(p.Add.GetUid()); msg != "" {
 			ns.Close()
-			return msg, nil
+			return msg, nil, nil
 		}
-		if err := z.add(p.Add, ns); err != nil {
-			return err.Error(), nil
+		w, err := z.add(sw, p.Add, ns)
+		if err != nil {
+			return err.Error(), nil, nil
 		}
-		return "", nil
+		return "", w, nil
 	case *zdspb.WorkloadRequest_Keep:
 		if snapshotDone {
-			return "", fmt.Errorf("keep of %s after SnapshotSent", p.Keep.GetUid())
+			return "", nil, fmt.Errorf("keep of %s after SnapshotSent", p.Keep.GetUid())
 		}
 		named[p.Keep.GetUid()] = true
-		return "", nil
+		return "", nil, nil
 	case *zdspb.WorkloadRequest_SnapshotSent:
 		if snapshotDone {
-			return "", errors.New("second SnapshotSent on one connection")
+			return "", nil, errors.New("second SnapshotSent on one connection")
 		}
 		z.dropUnnamed(named)
 		z.mu.Lock()
 		z.snapshotDone = true
 		z.mu.Unlock()
-		return "", nil
+		return "", nil, nil
 	case *zdspb.WorkloadRequest_Del:
 		z.del(p.Del.GetUid())
-		return "", nil
+		return "", nil, nil
 	default:
-		return "", fmt.Errorf("WorkloadRequest with no known payload (%d bytes)", len(d.Payload))
+		return "", nil, fmt.Errorf("WorkloadRequest with no known payload (%d bytes)", len(d.Payload))
 	}
 }
 
@@ -325,21 +358,22 @@ func (z *Standin) reject(uid string) string {
 	return z.cfg.Reject(uid)
 }
 
-// add starts (or keeps) the workload's listeners. An Add for a running uid
-// with the same netns changes nothing; a different netns means the sandbox
-// was recreated, so the listeners move.
-func (z *Standin) add(a *zdspb.AddWorkload, ns *os.File) error {
+// add starts (or keeps) the workload's listeners and returns the workload
+// whose listeners it bound (nil when it kept the running one). An Add for a
+// running uid with the same netns changes nothing; a different netns means
+// the sandbox was recreated, so the listeners move.
+func (z *Standin) add(sw *nsSwitch, a *zdspb.AddWorkload, ns *os.File) (*workload, error) {
 	id, err := netns.IdentityOf(int(ns.Fd()))
 	if err != nil {
 		ns.Close()
-		return err
+		return nil, err
 	}
 	z.mu.Lock()
 	old := z.workloads[a.GetUid()]
 	z.mu.Unlock()
 	if old != nil && old.info.NetNS == id {
 		ns.Close()
-		return nil
+		return nil, nil
 	}
 	w := &workload{
 		info: Workload{
@@ -351,9 +385,9 @@ func (z *Standin) add(a *zdspb.AddWorkload, ns *os.File) error {
 		},
 		netns: ns,
 	}
-	if err := z.listen(w); err != nil {
+	if err := z.listen(sw, w); err != nil {
 		w.close()
-		return fmt.Errorf("start proxy for %s: %w", a.GetUid(), err)
+		return nil, fmt.Errorf("start proxy for %s: %w", a.GetUid(), err)
 	}
 	z.mu.Lock()
 	z.workloads[a.GetUid()] = w
@@ -362,7 +396,7 @@ func (z *Standin) add(a *zdspb.AddWorkload, ns *os.File) error {
 		old.close()
 	}
 	z.log.Info("workload added", "uid", a.GetUid(), "pod", w.info.Namespace+"/"+w.info.Name, "netns", id)
-	return nil
+	return w, nil
 }
 
 func (z *Standin) del(uid string) {

@@ -67,7 +67,7 @@ func FuzzHandle(f *testing.F) {
 					wantPerr = false
 				}
 			}
-			ackErr, _, perr := z.handle(zds.Datagram{Payload: append([]byte(nil), payload...)}, named)
+			ackErr, _, _, perr := z.handle(nil, zds.Datagram{Payload: append([]byte(nil), payload...)}, named) // no fds: no netns switch
 			if (perr != nil) != wantPerr {
 				t.Fatalf("message %x: protocol error %v, want one: %v", payload, perr, wantPerr)
 			}
