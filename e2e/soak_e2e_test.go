@@ -224,10 +224,15 @@ type soak struct {
 	faults     map[string]int      // by kind
 	outcomes   map[string]int      // judged outcomes
 	violations []string
-	labels     []labelChange // the flip namespace's label, in order
-	nodeDown   []interval
-	ready      []readySample
-	revision   int
+	// knownLimits are outcomes of documented limits (README, Known
+	// limits): counted and printed, not failures.
+	knownLimits []string
+	// clobbers are the windows in which the conflist lacked inpod.
+	clobbers []interval
+	labels   []labelChange // the flip namespace's label, in order
+	nodeDown []interval
+	ready    []readySample
+	revision int
 	// standinKills are the moments a stand-in was SIGKILLed.
 	standinKills []time.Time
 	// judged keeps every judged pod, deleted or not, for the end checks.
@@ -242,6 +247,29 @@ func (s *soak) violate(format string, args ...any) {
 	s.violations = append(s.violations, msg)
 	s.mu.Unlock()
 	s.t.Logf("VIOLATION %s", msg)
+}
+
+// knownLimit records an outcome of a documented limit: printed with the
+// violations, but it does not fail the soak.
+func (s *soak) knownLimit(format string, args ...any) {
+	msg := fmt.Sprintf("%s +%s: ", time.Now().UTC().Format("15:04:05.000"), time.Since(s.start).Round(time.Second)) + fmt.Sprintf(format, args...)
+	s.mu.Lock()
+	s.knownLimits = append(s.knownLimits, msg)
+	s.mu.Unlock()
+	s.t.Logf("KNOWN LIMIT %s", msg)
+}
+
+// clobberedDuring says whether the conflist lacked inpod at some moment of
+// [from, to], with 2 s after each repair for the runtime to reload it.
+func (s *soak) clobberedDuring(from, to time.Time) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, iv := range s.clobbers {
+		if !iv.from.After(to) && !iv.to.Add(2*time.Second).Before(from) {
+			return true
+		}
+	}
+	return false
 }
 
 func (s *soak) logf(format string, args ...any) {
@@ -527,13 +555,18 @@ func (s *soak) fault(kind string, r *rand.Rand) error {
 		s.mu.Unlock()
 		return err
 	case "conflist-clobber":
+		from := time.Now()
 		if err := os.WriteFile(s.conflist, s.unchained, 0o644); err != nil {
 			return err
 		}
-		return testkit.Poll(2*time.Minute, "the plugin chained again", func() (bool, error) {
+		err := testkit.Poll(2*time.Minute, "the plugin chained again", func() (bool, error) {
 			data, err := os.ReadFile(s.conflist)
 			return err == nil && bytes.Contains(data, []byte(`"inpod-cni"`)), nil
 		})
+		s.mu.Lock()
+		s.clobbers = append(s.clobbers, interval{from, time.Now()})
+		s.mu.Unlock()
+		return err
 	case "apiserver-stop":
 		from := time.Now()
 		s.c.StopAPIServer()
@@ -581,6 +614,14 @@ func (s *soak) fault(kind string, r *rand.Rand) error {
 
 // sampleReadiness samples the agent's readiness every 500 ms, and the
 // Node's allocatable every 2 s against it.
+// allocatableLag bounds how long the Node's allocatable may still offer
+// the resource after the agent went not ready: the device plugin reports
+// Unhealthy at once, but the kubelet writes allocatable with its node
+// status, every 10 s, and on the loaded two-core machine that write was
+// seen 21 s late. The gate's real test is checkAdmissions (no enrolled pod
+// admitted while not ready); this catches a gate that never closes.
+const allocatableLag = 30 * time.Second
+
 func (s *soak) sampleReadiness(ctx context.Context) {
 	tick := time.NewTicker(500 * time.Millisecond)
 	defer tick.Stop()
@@ -598,7 +639,7 @@ func (s *soak) sampleReadiness(ctx context.Context) {
 			continue
 		}
 		if a := allocatable(ctx, s.c.Node, gateResource); a > 0 {
-			if since, ok := s.notReadySince(time.Now()); ok && time.Since(since) > 15*time.Second {
+			if since, ok := s.notReadySince(time.Now()); ok && time.Since(since) > allocatableLag {
 				s.violate("the Node offers %s=%d while the agent has been not ready since %s (%s)", gateResource, a,
 					since.UTC().Format("15:04:05.000"), time.Since(since).Round(time.Millisecond))
 			}
@@ -805,14 +846,29 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records
 		if constant && !labelled {
 			s.violate("%s outside the mesh (namespace unlabelled over its start) was redirected: listeners %s, Add acknowledged %v", key, listeners, acked)
 		}
-		if !acked {
+		switch {
+		case acked:
+		case listeners == allListeners && !firstAck(records, string(p.UID), id).IsZero():
+			// The app itself saw ztunnel's listeners, which a stand-in
+			// binds only for an Add it then acknowledges: its record line,
+			// written after the ack, came late (seen >1 s on the loaded
+			// machine).
+			s.knownLimit("enrolled %s: the app saw ztunnel's listeners at its start %s; the stand-in's record of the ack came after",
+				key, started.UTC().Format("15:04:05.000"))
+		default:
 			s.violate("enrolled %s (uid %s) runs in netns %s (%s) with no Add acknowledged for it by a stand-in before its start %s",
 				key, p.UID, name, id, started.UTC().Format(time.RFC3339))
 		}
 		// The stand-in SIGKILLed after its ack and before the app ran
 		// took the listeners along (as a ztunnel crash does): the pod is
-		// redirected, its traffic waits for the next ztunnel.
-		if listeners == "[]" && !s.standinKilledBetween(firstAck(records, string(p.UID), id), started.Add(time.Second)) {
+		// redirected, its traffic waits for the next ztunnel. A label
+		// flip in between takes the pod out of the mesh again (its Del
+		// closes the listeners): either outcome is right then.
+		flippedSinceAck := func() bool {
+			_, constant := s.labelledOver(sp.ns, firstAck(records, string(p.UID), id), started.Add(time.Second))
+			return !constant
+		}
+		if listeners == "[]" && !s.standinKilledBetween(firstAck(records, string(p.UID), id), started.Add(time.Second)) && !flippedSinceAck() {
 			s.violate("enrolled %s: an Add was acknowledged for its netns, yet ztunnel's listeners were not there at its start and no stand-in was killed meanwhile", key)
 		}
 		if unchangedSince && !redirected {
@@ -820,10 +876,17 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records
 		}
 		s.done(sp, "ran redirected")
 	default:
-		if constant && labelled {
+		switch {
+		case constant && labelled && redirected && s.clobberedDuring(created, started):
+			// Another CNI's rewrite dropped inpod from the chain while this
+			// pod's sandbox was set up: the runtime never called inpod, so
+			// nothing could stop the start; the agent found the pod running
+			// and redirected it in place (README, Known limits).
+			s.knownLimit("enrolled %s started while the conflist lacked inpod (a clobber overlapped its set-up); redirected in place afterwards", key)
+		case constant && labelled:
 			s.violate("enrolled %s ran unredirected: no Add acknowledged for its netns %s (%s) before its start and no listeners (rules now:\n%s)", key, name, id, rules)
 		}
-		if unchangedSince && anyInpod {
+		if unchangedSince && !labelled && anyInpod {
 			s.violate("%s outside the mesh has inpod's rules in its netns %s:\n%s", key, name, rules)
 		}
 		if waited := started.Sub(created) - s.downDuring(created, started); !labelled && constant && waited > plainBound {
@@ -988,6 +1051,10 @@ func (s *soak) summary(leaks []string, seed int64, dur time.Duration) {
 	}
 	fmt.Fprintf(&b, "%-40s %6d\n", "invariant violations", len(s.violations))
 	for _, v := range s.violations {
+		fmt.Fprintf(&b, "  %s\n", v)
+	}
+	fmt.Fprintf(&b, "%-40s %6d\n", "known limits (README; not failures)", len(s.knownLimits))
+	for _, v := range s.knownLimits {
 		fmt.Fprintf(&b, "  %s\n", v)
 	}
 	fmt.Fprintf(&b, "resources at the start: %s\n", s.base)
