@@ -515,9 +515,14 @@ func (s *soak) fault(kind string, r *rand.Rand) error {
 			s.mu.Unlock()
 		}
 	case "agent-pod-delete":
-		old := agentReady(s.t, s.ctx, s.c.Node)
-		if old == "" {
-			return fmt.Errorf("no Ready agent pod")
+		// The node recovered by the agent's own readiness; its pod's Ready
+		// follows at the next readiness probe.
+		var old string
+		if err := testkit.Poll(time.Minute, "a Ready agent pod to delete", func() (bool, error) {
+			old = agentReady(s.t, s.ctx, s.c.Node)
+			return old != "", nil
+		}); err != nil {
+			return err
 		}
 		if err := client.CoreV1().Pods(chart.Namespace).Delete(s.ctx, old, metav1.DeleteOptions{}); err != nil {
 			return err
