@@ -172,18 +172,7 @@ func TestNonRootProcessCannotUseTheCNIEventSocket(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := srv.Listen(); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	})
+	testkit.Serve(t, srv)
 	rootAsks := func(when string) {
 		t.Helper()
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -222,18 +211,7 @@ func TestNonRootProcessCannotUseTheZDSSocket(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := srv.Listen(); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	})
+	testkit.Serve(t, srv)
 
 	if v := dialAsNobody(t, bin, "unixpacket", path); !strings.HasPrefix(v, "denied:") || !strings.Contains(v, "permission denied") {
 		t.Fatalf("uid %d connecting to the ZDS socket: %s; want permission denied", nobodyID, v)

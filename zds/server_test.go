@@ -98,18 +98,7 @@ func startServer(t *testing.T, src zds.PodSource, mod func(*zds.Config)) (*zds.S
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := srv.Listen(); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Serve: %v", err)
-		}
-	})
+	testkit.Serve(t, srv)
 	return srv, path
 }
 

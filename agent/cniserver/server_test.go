@@ -65,18 +65,7 @@ func start(t *testing.T, h cniserver.Handler, mod func(*cniserver.Config)) strin
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := srv.Listen(); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	})
+	testkit.Serve(t, srv)
 	return path
 }
 

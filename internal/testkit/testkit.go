@@ -5,6 +5,7 @@
 package testkit
 
 import (
+	"context"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -82,4 +83,30 @@ func ShortTempDir(t testing.TB, prefix string) string {
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	return dir
+}
+
+// Server is a socket server with inpod's two-step start: Listen binds (so
+// a test can dial as soon as it returns), Serve runs until its context
+// ends.
+type Server interface {
+	Listen() error
+	Serve(ctx context.Context) error
+}
+
+// Serve listens and serves srv until the test ends; Serve's error fails
+// the test.
+func Serve(t testing.TB, srv Server) {
+	t.Helper()
+	if err := srv.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+	})
 }
