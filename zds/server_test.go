@@ -565,3 +565,53 @@ func TestCallerLeavingMidRequestKeepsAcksPaired(t *testing.T) {
 		t.Fatalf("state %+v: the connection should have survived", st)
 	}
 }
+
+// A caller that left mid-request keeps the turn; when the connection then
+// dies before that request's Ack, a caller queued behind it gets an error,
+// never a success, and the turn is not wedged: a new connection serves Adds.
+func TestConnectionDyingBehindADepartedCallerFailsTheQueuedOne(t *testing.T) {
+	pod := netnstest.New(t)
+	nsFile := pod.Open(t)
+	srv, path := startServer(t, &source{}, func(c *zds.Config) { c.AckTimeout = time.Minute })
+	peer := dialRaw(t, path)
+	peer.hello(zdspb.Version_V1)
+	peer.expect(t, "snapshot_sent")
+	peer.ack("")
+	waitState(t, srv, zds.State{Connections: 1, Ready: true})
+
+	ctx, cancel := context.WithCancel(context.Background())
+	first := make(chan error, 1)
+	go func() { first <- srv.Add(ctx, podWorkload("uid-first", nsFile)) }()
+	peer.expect(t, "add")
+	cancel()
+	if err := <-first; !errors.Is(err, context.Canceled) {
+		t.Fatalf("first Add = %v, want its cancellation", err)
+	}
+	second := make(chan error, 1)
+	go func() { second <- srv.Add(context.Background(), podWorkload("uid-second", nsFile)) }()
+	// The second must not go out while the first's Ack is owed.
+	peer.uc.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+	if d, err := zds.ReadDatagram(peer.uc); err == nil {
+		d.CloseFDs()
+		t.Fatal("a second request went out while the departed caller's Ack was still owed")
+	}
+	peer.uc.Close() // ztunnel dies without acking
+	select {
+	case err := <-second:
+		if !errors.Is(err, zds.ErrConnectionClosed) {
+			t.Fatalf("queued Add = %v, want ErrConnectionClosed", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the queued Add is still waiting after its connection died")
+	}
+	waitState(t, srv, zds.State{})
+
+	z := startStandin(t, path, nil)
+	waitState(t, srv, zds.State{Connections: 1, Ready: true})
+	if err := srv.Add(context.Background(), podWorkload("uid-third", nsFile)); err != nil {
+		t.Fatalf("Add on a new connection = %v", err)
+	}
+	if _, ok := z.Workloads()["uid-third"]; !ok {
+		t.Fatal("the new connection's ztunnel does not run uid-third")
+	}
+}

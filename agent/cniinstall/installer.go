@@ -439,7 +439,6 @@ func fileMode(path string) os.FileMode {
 	return 0o644
 }
 
-// writeFile replaces a file atomically, naming the package in errors.
 // digest identifies a binary's content.
 type digest struct {
 	size int64
@@ -478,6 +477,7 @@ func digestOf(path string) (digest, error) {
 	return d, nil
 }
 
+// writeFile replaces a file atomically, naming the package in errors.
 func writeFile(path string, data []byte, mode os.FileMode) error {
 	if err := atomicfile.Write(path, data, mode); err != nil {
 		return fmt.Errorf("cniinstall: %w", err)

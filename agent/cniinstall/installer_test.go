@@ -1,6 +1,7 @@
 package cniinstall_test
 
 import (
+	"bytes"
 	"context"
 	"flag"
 	"os"
@@ -361,4 +362,36 @@ func TestInstallerHoldsNoCopyOfTheBinaries(t *testing.T) {
 		t.Errorf("a check allocated %d KiB for 2 binaries of %d KiB", alloc>>10, size>>10)
 	}
 	runtime.KeepAlive(inst)
+}
+
+// A binary tampered with in place, at its own size, is found by its digest
+// (the size alone says nothing), closes readiness and is written back.
+func TestSameSizeTamperedBinaryIsDetectedAndRewritten(t *testing.T) {
+	e := newEnv(t, "cilium")
+	inst := e.installer(t, nil)
+	if _, err := inst.Install(); err != nil {
+		t.Fatal(err)
+	}
+	want, err := os.ReadFile(filepath.Join(e.source, "inpod-cni"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(e.binDir, "inpod-cni")
+	tampered := append([]byte(nil), want...)
+	tampered[len(tampered)/2] ^= 0xff
+	if err := os.WriteFile(bin, tampered, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if st := inst.Check(); st.Installed || !strings.Contains(st.Reason, "differs") {
+		t.Fatalf("Check with a same-size tampered binary = %+v", st)
+	}
+	if _, err := inst.Install(); err != nil {
+		t.Fatal(err)
+	}
+	if have, err := os.ReadFile(bin); err != nil || !bytes.Equal(have, want) {
+		t.Fatalf("the tampered binary was not written back (%v)", err)
+	}
+	if st := inst.Check(); !st.Installed {
+		t.Fatalf("Check after the repair = %+v", st)
+	}
 }

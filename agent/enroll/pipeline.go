@@ -718,12 +718,15 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 	}
 	e := p.entry(pod.UID)
 	switch {
-	case want && e == nil && pod.DeletionTimestamp != nil && h == nil && !(restoring && annotated(pod)):
-		// Being deleted and not in the table: its sandbox's DEL has come
-		// (or it never ran redirected under this agent), and the kubelet
-		// gives a terminating pod no new sandbox. Nothing runs to redirect;
-		// a netns search would only fail, with a Warning event each time,
-		// until the pod is gone.
+	case want && e == nil && pod.DeletionTimestamp != nil && h == nil && !restoring:
+		// Being deleted and not in this agent's table: its sandbox's DEL
+		// has come (or it never ran redirected under this agent), and the
+		// kubelet gives a terminating pod no new sandbox. Nothing runs to
+		// redirect; a netns search would only fail, with a Warning event
+		// each time, until the pod is gone. Not at restore: the table is
+		// new then, and a pod the previous agent enrolled may still run
+		// (draining) with its rules in place, unannotated if that agent
+		// died before its patch.
 		return nil
 	case want && e == nil:
 		ips := podIPs(pod)

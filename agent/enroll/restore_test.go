@@ -206,3 +206,37 @@ func TestRestartHoldsAPodWhoseNamespaceIsUnknown(t *testing.T) {
 		t.Fatalf("not restored once the namespace is known: ztunnel %v (%v), enrolled %v", id, ok, f.p.IsEnrolled(pod.UID))
 	}
 }
+
+// A pod the previous agent enrolled whose annotation patch never landed (the
+// agent died between its reply and the patch, which DESIGN says must heal)
+// and which is being deleted when the new agent starts: its sandbox still
+// runs (preStop, draining) with the rules in place, so the restart must find
+// it and keep it in ztunnel's snapshot. Skipping it as "after its DEL" would
+// drop its proxy while its rules still point there: its traffic is
+// black-holed for the rest of its grace period.
+func TestRestartKeepsATerminatingEnrolledPodWithoutAnnotation(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	pod, sb := f.pod("mesh", "draining", nil), f.sandbox()
+	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	sb.RunAsPod(t, string(pod.UID))
+	terminating := f.running(pod, sb)
+	now := metav1.Now()
+	terminating.DeletionTimestamp = &now
+	f.cache.mu.Lock()
+	f.cache.pods[pod.Namespace+"/"+pod.Name] = terminating
+	f.cache.mu.Unlock()
+
+	f.restart(z)
+	if _, ok := inZtunnel(z, pod); !ok {
+		t.Fatal("ztunnel dropped the proxy of a terminating enrolled pod whose rules are in place: its traffic is black-holed")
+	}
+	if !f.p.IsEnrolled(pod.UID) {
+		t.Fatal("the restarted agent does not hold the terminating enrolled pod")
+	}
+	if !hasRules(t, sb) {
+		t.Fatal("the rules of the terminating pod are gone")
+	}
+}
