@@ -242,21 +242,23 @@ type soak struct {
 }
 
 func (s *soak) violate(format string, args ...any) {
-	msg := fmt.Sprintf("%s +%s: ", time.Now().UTC().Format("15:04:05.000"), time.Since(s.start).Round(time.Second)) + fmt.Sprintf(format, args...)
-	s.mu.Lock()
-	s.violations = append(s.violations, msg)
-	s.mu.Unlock()
-	s.t.Logf("VIOLATION %s", msg)
+	s.t.Logf("VIOLATION %s", s.note(&s.violations, format, args...))
 }
 
 // knownLimit records an outcome of a documented limit: printed with the
 // violations, but it does not fail the soak.
 func (s *soak) knownLimit(format string, args ...any) {
+	s.t.Logf("KNOWN LIMIT %s", s.note(&s.knownLimits, format, args...))
+}
+
+// note appends the message, stamped with the time and the soak's age, to
+// list (guarded by s.mu) and returns it.
+func (s *soak) note(list *[]string, format string, args ...any) string {
 	msg := fmt.Sprintf("%s +%s: ", time.Now().UTC().Format("15:04:05.000"), time.Since(s.start).Round(time.Second)) + fmt.Sprintf(format, args...)
 	s.mu.Lock()
-	s.knownLimits = append(s.knownLimits, msg)
+	*list = append(*list, msg)
 	s.mu.Unlock()
-	s.t.Logf("KNOWN LIMIT %s", msg)
+	return msg
 }
 
 // clobberedDuring says whether the conflist lacked inpod at some moment of
