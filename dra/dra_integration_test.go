@@ -185,12 +185,16 @@ func TestIntegrationDRASliceFollowsReadiness(t *testing.T) {
 	w.waitSlice(TaintKeyPrefix + "ztunnel-not-connected")
 	w.ready.Set(readiness.ZtunnelConnected, true, "")
 	w.waitSlice()
-	testkit.Eventually(t, 10*time.Second, "four writes measured", func() bool { return obs.written() >= 4 })
+	// The three changes made here are each measured once the driver's own
+	// watch shows them; the first slice is measured only when that watch
+	// started before it was written (a loaded CI run found it in the
+	// watch's initial list instead, unmeasured).
+	testkit.Eventually(t, 10*time.Second, "three writes measured", func() bool { return obs.written() >= 3 })
 	obs.mu.Lock()
 	defer obs.mu.Unlock()
 	t.Logf("readiness change → slice in the API: %v", obs.latencies)
-	if obs.tainted < 1 || obs.untainted < 2 || obs.publishes < 4 {
-		t.Fatalf("metrics: %d publishes, %d to tainted, %d to untainted; want ≥4, ≥1, ≥2", obs.publishes, obs.tainted, obs.untainted)
+	if obs.tainted < 1 || obs.untainted < 2 || obs.publishes < 3 {
+		t.Fatalf("metrics: %d publishes, %d to tainted, %d to untainted; want ≥3, ≥1, ≥2", obs.publishes, obs.tainted, obs.untainted)
 	}
 	for _, l := range obs.latencies {
 		if l > 5*time.Second {
