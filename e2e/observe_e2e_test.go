@@ -6,8 +6,8 @@ import (
 	"bufio"
 	"context"
 	"fmt"
-	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,9 +19,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
-
+	"github.com/inpod-dev/inpod/agent/podnetns"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
@@ -36,7 +34,10 @@ import (
 // of 100 pods take many minutes on a loaded machine.
 func podNetns(t *testing.T, ip string) string {
 	t.Helper()
-	want := net.ParseIP(ip)
+	want, err := netip.ParseAddr(ip)
+	if err != nil {
+		t.Fatalf("pod IP %q: %v", ip, err)
+	}
 	entries, err := os.ReadDir("/run/netns")
 	if err != nil {
 		t.Fatal(err)
@@ -55,27 +56,13 @@ func podNetns(t *testing.T, ip string) string {
 
 // netnsHolds reports whether the netns at path has ip on an interface (a
 // netns gone meanwhile holds nothing).
-func netnsHolds(path string, ip net.IP) bool {
-	ns, err := netns.GetFromPath(path)
+func netnsHolds(path string, ip netip.Addr) bool {
+	f, err := os.Open(path)
 	if err != nil {
 		return false
 	}
-	defer ns.Close()
-	h, err := netlink.NewHandleAt(ns)
-	if err != nil {
-		return false
-	}
-	defer h.Close()
-	addrs, err := h.AddrList(nil, netlink.FAMILY_ALL)
-	if err != nil {
-		return false
-	}
-	for _, a := range addrs {
-		if a.IP.Equal(ip) {
-			return true
-		}
-	}
-	return false
+	defer f.Close()
+	return podnetns.HoldsAny(f, []netip.Addr{ip})
 }
 
 // netnsRuleset is the nf_tables ruleset of a netns with object handles and

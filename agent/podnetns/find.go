@@ -74,7 +74,7 @@ func (f Finder) Find(uid string, ips []netip.Addr) (*os.File, error) {
 		if err != nil {
 			continue // the process exited meanwhile
 		}
-		if holdsAny(f, ips) {
+		if HoldsAny(f, ips) {
 			return f, nil
 		}
 		f.Close()
@@ -121,7 +121,9 @@ func startTime(path string) uint64 {
 	return v
 }
 
-func holdsAny(ns *os.File, ips []netip.Addr) bool {
+// HoldsAny reports whether the netns ns has one of ips on an interface,
+// read over netlink without entering it.
+func HoldsAny(ns *os.File, ips []netip.Addr) bool {
 	h, err := netlink.NewHandleAt(vnetns.NsHandle(int(ns.Fd())))
 	if err != nil {
 		return false
