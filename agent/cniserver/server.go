@@ -51,7 +51,8 @@ type Config struct {
 	// NetnsPrefixes are where a pod netns path may point (default: the
 	// runtimes' /var/run/netns/ and /run/netns/, and /proc/<pid>/ns/net).
 	NetnsPrefixes []string
-	// MaxConcurrent bounds requests in progress.
+	// MaxConcurrent bounds requests in progress; more wait for a slot
+	// within their RequestTimeout.
 	MaxConcurrent int
 	// AllowedPeerUIDs: root only when empty.
 	AllowedPeerUIDs []uint32
@@ -150,17 +151,28 @@ func (s *Server) serveConn(ctx context.Context, uc *net.UnixConn) {
 		return append([]any{"pod", req.Pod(), "command", req.Command, "container", shortID(req.ContainerID)}, more...)
 	}
 
+	// The request's deadline covers its wait for a slot too, so the
+	// plugin still gets an answer before its own timeout. Waiting beats
+	// refusing at once: a refused ADD costs the runtime a whole sandbox
+	// torn down and set up again, and a burst of pods (100 at once on a
+	// loaded node) would otherwise fail some only to retry them later.
+	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	start := time.Now()
 	select {
 	case s.slots <- struct{}{}:
 		defer func() { <-s.slots }()
 	default:
-		s.log.Warn("too many CNI events in progress; refusing one", attrs()...)
-		s.reply(uc, cnievent.Failed, fmt.Sprintf("agent busy: %d CNI events already in progress", s.cfg.MaxConcurrent))
-		return
+		s.log.Debug("CNI events at the limit; waiting for a slot", attrs("inProgress", s.cfg.MaxConcurrent)...)
+		select {
+		case s.slots <- struct{}{}:
+			defer func() { <-s.slots }()
+		case <-rctx.Done():
+			s.log.Warn("too many CNI events in progress for the whole request timeout; refusing one", attrs("waited", time.Since(start))...)
+			s.reply(uc, cnievent.Failed, fmt.Sprintf("agent busy: %d CNI events were in progress for %s", s.cfg.MaxConcurrent, time.Since(start).Round(time.Millisecond)))
+			return
+		}
 	}
-	rctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
-	defer cancel()
-	start := time.Now()
 	outcome, err := s.dispatch(rctx, req)
 	if err != nil {
 		s.log.Error("CNI event failed", attrs("err", err, "took", time.Since(start))...)

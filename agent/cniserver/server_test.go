@@ -225,21 +225,38 @@ func TestDisallowedPeerIsRefused(t *testing.T) {
 	}
 }
 
-func TestBusyServerRefusesBeyondItsLimit(t *testing.T) {
+func TestBusyServerQueuesThenRefusesAtTheTimeout(t *testing.T) {
 	h := &handler{outcome: cnievent.Redirected, block: make(chan struct{})}
-	path := start(t, h, func(c *cniserver.Config) { c.MaxConcurrent = 1 })
+	path := start(t, h, func(c *cniserver.Config) { c.MaxConcurrent = 1; c.RequestTimeout = 2 * time.Second })
 	first := make(chan error, 1)
 	go func() {
 		_, err := send(t, path, validAdd())
 		first <- err
 	}()
 	testkit.Eventually(t, 5*time.Second, "the first request to reach the handler", func() bool { return h.count() > 0 })
+	// While the only slot is taken, a request waits its whole timeout
+	// and is then refused as busy, never reaching the handler.
 	resp, err := send(t, path, validAdd())
 	if err != nil || resp.Outcome != cnievent.Failed || !strings.Contains(resp.Message, "busy") {
 		t.Fatalf("second request = %+v, %v; want busy", resp, err)
 	}
+	if h.count() != 1 {
+		t.Fatalf("handler saw %d requests, want 1", h.count())
+	}
+	// One sent meanwhile waits, and is served once the slot frees up.
+	third := make(chan *cnievent.Response, 1)
+	go func() {
+		resp, err := send(t, path, validAdd())
+		if err != nil {
+			resp = &cnievent.Response{Outcome: cnievent.Failed, Message: err.Error()}
+		}
+		third <- resp
+	}()
 	close(h.block)
 	if err := <-first; err != nil {
 		t.Fatal(err)
+	}
+	if resp := <-third; resp.Outcome != cnievent.Redirected {
+		t.Fatalf("a request queued behind a finished one = %+v, want served", resp)
 	}
 }

@@ -61,8 +61,11 @@ func NewMetrics() *Metrics {
 		removals: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_unenrollments_total",
 			Help: "Pods taken out of the mesh."}),
 		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "inpod_enrollment_duration_seconds",
-			Help:    "From the CNI event (or reconcile) to rules applied and ztunnel's ack.",
-			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10}}, []string{"source"}),
+			Help: "From the CNI event (or reconcile) to rules applied and ztunnel's ack.",
+			// Up to a minute: a CNI ADD may take up to the agent's 55 s
+			// request timeout on a node starting many pods at once, and
+			// the tail is what tells whether it came close.
+			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 30, 60}}, []string{"source"}),
 		ztunnelConns: prometheus.NewGauge(prometheus.GaugeOpts{Name: "inpod_ztunnel_connections",
 			Help: "Live ZDS connections."}),
 		ready: prometheus.NewGauge(prometheus.GaugeOpts{Name: "inpod_node_ready",
