@@ -46,11 +46,14 @@ import (
 //     fault. A label constant over that window decides; a pod whose window
 //     saw a flip may be either, but must be wholly one or the other;
 //   - enrolled: a stand-in acknowledged an Add for the pod's current netns
-//     (dev:ino) no later than its container's start (+1 s: startedAt has
-//     second precision), or testapp found ztunnel's listeners bound in its
-//     netns before it ran. Both must hold, except that a stand-in SIGKILLed
-//     between its ack and the app's start takes the listeners along (as a
-//     ztunnel crash does; the pod stays redirected). Its current netns must
+//     (dev:ino) no later than the app's start (testapp logs the moment on
+//     the node's clock; the record's line is written before the Ack goes
+//     out, so a SIGKILL cannot lose it), or testapp found ztunnel's
+//     listeners bound in its netns before it ran. Both must hold, except
+//     that a stand-in whose process ended (SIGKILLed, or replaced: its
+//     record's "start") between its ack and the app's start takes the
+//     listeners along (as a ztunnel crash does; the pod stays
+//     redirected). Its current netns must
 //     hold the redirection rules (unless its namespace's label changed
 //     since, when the agent may rightly have removed them);
 //   - not enrolled at start: no listeners, no inpod rules, and Running
@@ -59,8 +62,10 @@ import (
 //
 // The gate, judged from the agent's readiness (its inpod_node_ready,
 // sampled every 500 ms) against:
-//   - the kubelet's admission of each enrolled pod that ran (its first
-//     "SyncLoop ADD" log line): never while every readiness sample within
+//   - the kubelet's admission of each enrolled pod that ran and requested
+//     the gate's resource (its first "SyncLoop ADD" log line; a flip pod
+//     created unlabelled has no request, and only the CNI ADD's fail-closed
+//     answer can hold it): never while every readiness sample within
 //     ±1 s of it says not ready. The device plugin's health reaches the
 //     kubelet's device manager at once; the second covers the sampling;
 //   - the Node's allocatable: never > 0 after the agent has been not ready
@@ -190,7 +195,11 @@ type soakPod struct {
 	created  time.Time
 	judged   bool
 	// enrolled: ran redirected (judged); uid and netns as seen then.
-	enrolled   bool
+	enrolled bool
+	// gated: the pod requested the gate's resource, so the kubelet's
+	// admission of it is the gate's to stop (a pod created while its
+	// namespace was unlabelled has no request, whatever the label became).
+	gated      bool
 	uid, netns string
 	ip         string
 	started    time.Time
@@ -685,7 +694,7 @@ func (s *soak) checkAdmissions() {
 	defer s.mu.Unlock()
 	checked := 0
 	for k, p := range s.judged {
-		if !p.enrolled {
+		if !p.enrolled || !p.gated {
 			continue
 		}
 		at, ok := adm[k]
@@ -826,9 +835,12 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records
 		return
 	}
 	started := running.StartedAt.Time
-	listeners, err := s.listenersAtStart(p)
+	listeners, appStart, err := s.listenersAtStart(p)
 	if err != nil {
 		return // the API down: next round
+	}
+	if appStart.IsZero() {
+		appStart = started.Add(time.Second) // StartedAt is to the second
 	}
 	name, ok := byIP[p.Status.PodIP]
 	if !ok {
@@ -843,7 +855,9 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records
 	labelled, constant := s.labelledOver(sp.ns, created.Add(-2*time.Second), started.Add(2*time.Second))
 	_, unchangedSince := s.labelledOver(sp.ns, created.Add(-2*time.Second), time.Now().Add(2*time.Second))
 	sp.uid, sp.netns, sp.ip, sp.started = string(p.UID), id, p.Status.PodIP, started
-	acked := ackedBefore(records, string(p.UID), id, started.Add(time.Second))
+	q := p.Spec.Containers[0].Resources.Limits[gateResource]
+	sp.gated = q.Value() > 0
+	acked := ackedBefore(records, string(p.UID), id, appStart)
 	switch {
 	case listeners != allListeners && listeners != "[]":
 		s.violate("%s started with part of ztunnel's listeners: %s", key, listeners)
@@ -857,11 +871,10 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records
 		case acked:
 		case listeners == allListeners && !firstAck(records, string(p.UID), id).IsZero():
 			// The app itself saw ztunnel's listeners, which a stand-in
-			// binds only for an Add it then acknowledges: its record line,
-			// written after the ack, came late (seen >1 s on the loaded
-			// machine).
+			// binds only for an Add it then acknowledges: the record line
+			// is written after the bind, so the app's read can come first.
 			s.knownLimit("enrolled %s: the app saw ztunnel's listeners at its start %s; the stand-in's record of the ack came after",
-				key, started.UTC().Format("15:04:05.000"))
+				key, appStart.UTC().Format("15:04:05.000000"))
 		default:
 			s.violate("enrolled %s (uid %s) runs in netns %s (%s) with no Add acknowledged for it by a stand-in before its start %s",
 				key, p.UID, name, id, started.UTC().Format(time.RFC3339))
@@ -871,12 +884,14 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records
 		// redirected, its traffic waits for the next ztunnel. A label
 		// flip in between takes the pod out of the mesh again (its Del
 		// closes the listeners): either outcome is right then.
+		ackedAt := firstAck(records, string(p.UID), id)
 		flippedSinceAck := func() bool {
-			_, constant := s.labelledOver(sp.ns, firstAck(records, string(p.UID), id), started.Add(time.Second))
+			_, constant := s.labelledOver(sp.ns, ackedAt, appStart)
 			return !constant
 		}
-		if listeners == "[]" && !s.standinKilledBetween(firstAck(records, string(p.UID), id), started.Add(time.Second)) && !flippedSinceAck() {
-			s.violate("enrolled %s: an Add was acknowledged for its netns, yet ztunnel's listeners were not there at its start and no stand-in was killed meanwhile", key)
+		if listeners == "[]" && !s.standinGoneBetween(records, ackedAt, appStart) && !flippedSinceAck() {
+			s.violate("enrolled %s: an Add was acknowledged for its netns %s at %s, yet ztunnel's listeners were not there at the app's start %s and no stand-in was killed or restarted meanwhile; the stand-ins' record of uid %s:\n%s",
+				key, id, ackedAt.UTC().Format("15:04:05.000000"), appStart.UTC().Format("15:04:05.000000"), p.UID, recordOf(records, string(p.UID)))
 		}
 		if unchangedSince && !redirected {
 			s.violate("enrolled %s: its current netns %s has no redirection rules:\n%s", key, name, rules)
@@ -903,6 +918,23 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records
 	}
 }
 
+// standinGoneBetween reports whether a stand-in's process ended within
+// [from, to]: killed by the fault, or replaced by a new process for any
+// reason (its record's "start"), which takes its listeners along.
+func (s *soak) standinGoneBetween(records map[string][]ztunnel.RecordEntry, from, to time.Time) bool {
+	if s.standinKilledBetween(from, to) {
+		return true
+	}
+	for _, es := range records {
+		for _, e := range es {
+			if e.Event == "start" && !e.Time.Before(from) && !e.Time.After(to) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // standinKilledBetween reports whether a stand-in-kill fault struck within
 // [from, to].
 func (s *soak) standinKilledBetween(from, to time.Time) bool {
@@ -927,17 +959,23 @@ func podSummary(p *corev1.Pod) string {
 	return b.String()
 }
 
-func (s *soak) listenersAtStart(p *corev1.Pod) (string, error) {
+// listenersAtStart is what the app logged at its start: ztunnel's listeners
+// in its netns, and the moment (node clock; zero if the line is missing).
+func (s *soak) listenersAtStart(p *corev1.Pod) (string, time.Time, error) {
 	out, err := s.c.Client.CoreV1().Pods(p.Namespace).GetLogs(p.Name, &corev1.PodLogOptions{}).DoRaw(s.ctx)
 	if err != nil {
-		return "", err
+		return "", time.Time{}, err
 	}
+	var at time.Time
 	for _, line := range strings.Split(string(out), "\n") {
+		if v, ok := strings.CutPrefix(line, "testapp started at: "); ok {
+			at, _ = time.Parse(time.RFC3339Nano, v)
+		}
 		if v, ok := strings.CutPrefix(line, "ztunnel listeners at start: "); ok {
-			return v, nil
+			return v, at, nil
 		}
 	}
-	return "", fmt.Errorf("no listeners line yet")
+	return "", time.Time{}, fmt.Errorf("no listeners line yet")
 }
 
 // checkLive checks, after the churn, every judged pod still running from

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -95,6 +96,29 @@ func ackedBefore(records map[string][]ztunnel.RecordEntry, uid, id string, t tim
 		}
 	}
 	return false
+}
+
+// recordOf is every stand-in's record about uid, plus their starts, in
+// time order: what a violation report needs to be read without the files.
+func recordOf(records map[string][]ztunnel.RecordEntry, uid string) string {
+	type line struct {
+		at   time.Time
+		text string
+	}
+	var lines []line
+	for standin, es := range records {
+		for _, e := range es {
+			if e.UID == uid || e.Event == "start" {
+				lines = append(lines, line{e.Time, fmt.Sprintf("  %s %s %s %s %s", e.Time.UTC().Format("15:04:05.000000"), standin, e.Event, e.Pod, e.NetNS)})
+			}
+		}
+	}
+	slices.SortFunc(lines, func(a, b line) int { return a.at.Compare(b.at) })
+	var b strings.Builder
+	for _, l := range lines {
+		b.WriteString(l.text + "\n")
+	}
+	return b.String()
 }
 
 // firstAck is when a stand-in first acknowledged an Add for uid in the

@@ -56,7 +56,8 @@ type Config struct {
 	Logger   *slog.Logger
 	// Record, when set, receives one JSON line (a RecordEntry) per
 	// change of the stand-in's workloads: its start, every Add it
-	// acknowledged (after the ack went out), every workload it closed. A
+	// acknowledged (its listeners bound, written just before the Ack goes
+	// out), every workload it closed. A
 	// test replays it to judge the stand-in from outside its process.
 	Record io.Writer
 }
@@ -220,6 +221,14 @@ func (z *Standin) session(ctx context.Context, sw *nsSwitch) error {
 			case <-time.After(z.cfg.AckDelay):
 			}
 		}
+		// Recorded before the Ack goes out: a SIGKILL between the two
+		// would otherwise lose the line for an Ack the agent got, and a
+		// pod that runs with ztunnel's listeners would look unacknowledged.
+		// The converse is harmless: an Ack recorded but never sent fails
+		// the agent's Add, so no sandbox runs on it.
+		if isAdd && ackErr == "" {
+			z.recordAck(d)
+		}
 		resp, _ := proto.Marshal(&zdspb.WorkloadResponse{Payload: &zdspb.WorkloadResponse_Ack{Ack: &zdspb.Ack{Error: ackErr}}})
 		_, err = uc.Write(resp)
 		// Accepting starts after the Ack: the listeners are bound and
@@ -231,9 +240,6 @@ func (z *Standin) session(ctx context.Context, sw *nsSwitch) error {
 		}
 		if err != nil {
 			return fmt.Errorf("send ack: %w", err)
-		}
-		if isAdd && ackErr == "" {
-			z.recordAck(d)
 		}
 	}
 }

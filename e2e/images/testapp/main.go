@@ -31,6 +31,11 @@ func main() {
 	echo := flag.String("echo", "", "also serve an echo on this address: each connection stays open and gets its lines back")
 	dial := flag.String("dial", "", "connect to this address once, print the reply and exit")
 	flag.Parse()
+	// The clock is the node's, as in the stand-in's record: a test can
+	// order this moment against ztunnel's acks, finer than the API's
+	// one-second StartedAt. Taken before the read, so whatever was bound
+	// by then shows.
+	fmt.Printf("testapp started at: %s\n", time.Now().UTC().Format(time.RFC3339Nano))
 	fmt.Printf("ztunnel listeners at start: %v\n", ztunnelListeners())
 	if *dial != "" {
 		c, err := net.DialTimeout("tcp", *dial, 5*time.Second)
