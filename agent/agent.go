@@ -557,10 +557,30 @@ func (a *Agent) reconcileOne(ctx context.Context, key types.NamespacedName, pods
 	// deleted, or deleted and recreated under the same name (its DEL may
 	// have been missed while the agent was down). Left in the table it
 	// would stay in every snapshot and keep its fd and probe exemption.
+	//
+	// The cache alone cannot say so: a CNI ADD that did not find the pod in
+	// it read the pod from the API, and a lagging watch (relisting after an
+	// API outage) would then have a sweep take a running pod out of the
+	// mesh. One live read decides, and only when the cache disagrees with
+	// the table, which is rare: a deleted pod's DEL normally unenrolled it.
 	var errs []error
+	var live *corev1.Pod
+	var liveErr error
+	asked := false
 	for _, uid := range a.pipeline.UIDsOf(key) {
 		if err == nil && uid == pod.UID {
 			continue
+		}
+		if !asked {
+			live, liveErr = pods.live(ctx, key)
+			asked = true
+		}
+		if liveErr != nil {
+			errs = append(errs, fmt.Errorf("the cache no longer shows enrolled pod %s (uid %s), and the API could not confirm it is gone: %w", key, uid, liveErr))
+			continue
+		}
+		if live != nil && live.UID == uid {
+			continue // the watch lags; its update will come
 		}
 		if err := a.pipeline.Unenroll(ctx, uid); err != nil {
 			errs = append(errs, err)

@@ -130,6 +130,18 @@ func (c *podCache) Pod(ctx context.Context, namespace, name string) (*corev1.Pod
 		})
 }
 
+// live reads the pod from the API, past the cache: nil when it does not
+// exist.
+func (c *podCache) live(ctx context.Context, key types.NamespacedName) (*corev1.Pod, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	pod, err := c.client.CoreV1().Pods(key.Namespace).Get(ctx, key.Name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil, nil
+	}
+	return pod, err
+}
+
 // Namespace is waited for like a pod: the namespace watch may lag the pod
 // watch (a namespace created just before its pod, an agent whose namespace
 // LIST is slow or throttled at start-up), and a namespace missing from the

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"net/netip"
 	"os"
 	"testing"
@@ -9,8 +10,11 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
 	listersv1 "k8s.io/client-go/listers/core/v1"
+	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
@@ -29,7 +33,7 @@ func TestReconcileDropsAnOldIncarnationOfARecreatedPod(t *testing.T) {
 	recreated := old.DeepCopy()
 	recreated.UID = "uid-new"
 	indexer := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
-	pods := &podCache{pods: listersv1.NewPodLister(indexer)}
+	pods := &podCache{pods: listersv1.NewPodLister(indexer), client: fake.NewClientset(recreated)}
 
 	p := enroll.New(enroll.Config{Rules: noRules{}, Probes: noProbes{}, Ztunnel: noZtunnel{}, Pods: onePod{old},
 		Annotations: nop{}, Events: nop{}, Observer: nop{}})
@@ -49,6 +53,54 @@ func TestReconcileDropsAnOldIncarnationOfARecreatedPod(t *testing.T) {
 	}
 	if p.IsEnrolled("uid-old") {
 		t.Fatal("the deleted incarnation of a recreated pod is still enrolled")
+	}
+}
+
+// An enrolled pod the cache does not show is taken out only once the API
+// confirms it is gone: the CNI ADD may have read it from the API while the
+// watch lagged, and a sweep must not take a running pod out of the mesh.
+func TestReconcileKeepsAnEnrolledPodTheCacheLagsOn(t *testing.T) {
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "web-0", UID: "uid-1",
+		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}}
+	key := types.NamespacedName{Namespace: "mesh", Name: "web-0"}
+	client := fake.NewClientset(pod)
+	pods := &podCache{pods: listersv1.NewPodLister(cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})), client: client}
+	p := enroll.New(enroll.Config{Rules: noRules{}, Probes: noProbes{}, Ztunnel: noZtunnel{}, Pods: onePod{pod},
+		Annotations: nop{}, Events: nop{}, Observer: nop{}})
+	t.Cleanup(p.Close)
+	a := &Agent{pipeline: p}
+	sb := netnstest.New(t)
+	ctx := context.Background()
+	if out, err := p.Add(ctx, &cnievent.Request{Command: cnievent.Add, PodNamespace: "mesh", PodName: "web-0",
+		PodUID: "uid-1", ContainerID: "c-1", Netns: sb.Path}); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+
+	if err := a.reconcileOne(ctx, key, pods); err != nil {
+		t.Fatal(err)
+	}
+	if !p.IsEnrolled("uid-1") {
+		t.Fatal("a running pod the cache had not caught up with was taken out of the mesh")
+	}
+
+	// The API unreachable: nothing is decided, and the error retries it.
+	client.PrependReactor("get", "pods", func(k8stesting.Action) (bool, runtime.Object, error) {
+		return true, nil, errors.New("connection refused")
+	})
+	if err := a.reconcileOne(ctx, key, pods); err == nil || !p.IsEnrolled("uid-1") {
+		t.Fatalf("reconcile with the API down = %v, enrolled %v; want an error and the pod kept", err, p.IsEnrolled("uid-1"))
+	}
+
+	// Gone from the API too: out of the table.
+	client.ReactionChain = client.ReactionChain[1:]
+	if err := client.Tracker().Delete(corev1.SchemeGroupVersion.WithResource("pods"), "mesh", "web-0"); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.reconcileOne(ctx, key, pods); err != nil {
+		t.Fatal(err)
+	}
+	if p.IsEnrolled("uid-1") {
+		t.Fatal("a deleted pod whose DEL was missed is still enrolled")
 	}
 }
 
