@@ -83,9 +83,13 @@ func TestE2ELoad100(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var sandboxFailures []string
+	var sandboxFailures, timedOut []string
 	for _, e := range evs.Items {
-		sandboxFailures = append(sandboxFailures, fmt.Sprintf("%s ×%d: %s", e.InvolvedObject.Name, e.Count, e.Message))
+		f := fmt.Sprintf("%s ×%d: %s", e.InvolvedObject.Name, e.Count, e.Message)
+		sandboxFailures = append(sandboxFailures, f)
+		if strings.Contains(e.Message, "agent busy") || strings.Contains(e.Message, "deadline exceeded") {
+			timedOut = append(timedOut, f)
+		}
 	}
 	t.Logf("%d enrolled pods at once: Ready median %s, p99 %s; enrollment failures counted by the agent: %.0f; FailedCreatePodSandBox events: %d",
 		pods, quantile(took, 0.5).Round(time.Millisecond), quantile(took, 0.99).Round(time.Millisecond), failed, len(sandboxFailures))
@@ -96,6 +100,12 @@ func TestE2ELoad100(t *testing.T) {
 	// noise at best (it once was ~14 per deleted pod) and a wedge at worst.
 	if failed > 0 {
 		t.Errorf("the agent counted %.0f enrollment failures over the round; by reason since its start: %s", failed, agentSeries(t, "inpod_enrollment_failures_total"))
+	}
+	// A request waits for one of the agent's slots within its timeout, so
+	// only one that ran out of it is refused: the agent's answer was not
+	// bounded below its own timeout then.
+	if len(timedOut) > 0 {
+		t.Errorf("%d sandboxes failed because the agent did not answer within its %s timeout: %s", len(timedOut), cniserver.DefaultRequestTimeout, strings.Join(timedOut, "; "))
 	}
 
 	n, mean, p99 := after.since(before, 0.99)
@@ -115,9 +125,6 @@ func TestE2ELoad100(t *testing.T) {
 	benchreport.Record(t, benchreport.Figure{Section: "Load",
 		Name:  fmt.Sprintf("enrolled pod start-up (create → Ready) with %d created at once, p99", pods),
 		Value: ms(quantile(took, 0.99)), Unit: "ms"})
-	if p99d >= bound {
-		t.Fatalf("the agent's CNI ADD p99 %s is not below its own timeout %s", p99d, bound)
-	}
 }
 
 // histogram is one reading of the agent's CNI ADD histogram: cumulative

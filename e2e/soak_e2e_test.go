@@ -50,10 +50,12 @@ import (
 //     the node's clock; the record's line is written before the Ack goes
 //     out, so a SIGKILL cannot lose it), or testapp found ztunnel's
 //     listeners bound in its netns before it ran. Both must hold, except
-//     that a stand-in whose process ended (SIGKILLed, or replaced: its
-//     record's "start") between its ack and the app's start takes the
-//     listeners along (as a ztunnel crash does; the pod stays
-//     redirected). Its current netns must
+//     that the stand-in process holding it, ended (SIGKILLed, or replaced:
+//     a later "start" in its record) between its ack and the end of the
+//     app's read of them, takes the listeners along (as a ztunnel crash
+//     does; the pod stays redirected). No stand-in may close the workload
+//     (its record's "del") in that window unless the label flipped. Its
+//     current netns must
 //     hold the redirection rules (unless its namespace's label changed
 //     since, when the agent may rightly have removed them);
 //   - not enrolled at start: no listeners, no inpod rules, and Running
@@ -835,12 +837,13 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records
 		return
 	}
 	started := running.StartedAt.Time
-	listeners, appStart, err := s.listenersAtStart(p)
+	listeners, appStart, readBy, err := s.listenersAtStart(p)
 	if err != nil {
 		return // the API down: next round
 	}
-	if appStart.IsZero() {
+	if appStart.IsZero() || readBy.IsZero() {
 		appStart = started.Add(time.Second) // StartedAt is to the second
+		readBy = appStart
 	}
 	name, ok := byIP[p.Status.PodIP]
 	if !ok {
@@ -886,12 +889,16 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records
 		// closes the listeners): either outcome is right then.
 		ackedAt := firstAck(records, string(p.UID), id)
 		flippedSinceAck := func() bool {
-			_, constant := s.labelledOver(sp.ns, ackedAt, appStart)
+			_, constant := s.labelledOver(sp.ns, ackedAt, readBy)
 			return !constant
 		}
-		if listeners == "[]" && !s.standinGoneBetween(records, ackedAt, appStart) && !flippedSinceAck() {
-			s.violate("enrolled %s: an Add was acknowledged for its netns %s at %s, yet ztunnel's listeners were not there at the app's start %s and no stand-in was killed or restarted meanwhile; the stand-ins' record of uid %s:\n%s",
-				key, id, ackedAt.UTC().Format("15:04:05.000000"), appStart.UTC().Format("15:04:05.000000"), p.UID, recordOf(records, string(p.UID)))
+		if listeners == "[]" && !s.standinGoneBetween(records, string(p.UID), id, ackedAt, readBy) && !flippedSinceAck() {
+			s.violate("enrolled %s: an Add was acknowledged for its netns %s at %s, yet ztunnel's listeners were not there at the app's start (%s to %s) and the stand-in holding it was neither killed nor restarted meanwhile; the stand-ins' record of uid %s:\n%s",
+				key, id, ackedAt.UTC().Format("15:04:05.000000"), appStart.UTC().Format("15:04:05.000000"), readBy.UTC().Format("15:04:05.000000"), p.UID, recordOf(records, string(p.UID)))
+		}
+		if at, ok := delBetween(records, string(p.UID), ackedAt, readBy); ok && !flippedSinceAck() {
+			s.violate("enrolled %s: a stand-in closed its workload (a Del, or left out of a snapshot) at %s, after its Add's ack at %s and before the app's start was over (%s); the stand-ins' record of uid %s:\n%s",
+				key, at.UTC().Format("15:04:05.000000"), ackedAt.UTC().Format("15:04:05.000000"), readBy.UTC().Format("15:04:05.000000"), p.UID, recordOf(records, string(p.UID)))
 		}
 		if unchangedSince && !redirected {
 			s.violate("enrolled %s: its current netns %s has no redirection rules:\n%s", key, name, rules)
@@ -918,16 +925,22 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records
 	}
 }
 
-// standinGoneBetween reports whether a stand-in's process ended within
-// [from, to]: killed by the fault, or replaced by a new process for any
-// reason (its record's "start"), which takes its listeners along.
-func (s *soak) standinGoneBetween(records map[string][]ztunnel.RecordEntry, from, to time.Time) bool {
+// standinGoneBetween reports whether the stand-in process that acked uid's
+// Add in netns id ended within [from, to]: killed by the fault, or replaced
+// by a new process in its pod for any reason (a later "start" in the same
+// record), which takes its listeners along. Another stand-in starting (an
+// upgrade's new one) excuses nothing: the old one still serves.
+func (s *soak) standinGoneBetween(records map[string][]ztunnel.RecordEntry, uid, id string, from, to time.Time) bool {
 	if s.standinKilledBetween(from, to) {
 		return true
 	}
 	for _, es := range records {
+		acked := false
 		for _, e := range es {
-			if e.Event == "start" && !e.Time.Before(from) && !e.Time.After(to) {
+			switch {
+			case e.Event == "ack" && e.UID == uid && e.NetNS == id && !e.Time.After(to):
+				acked = true
+			case e.Event == "start" && acked && !e.Time.Before(from) && !e.Time.After(to):
 				return true
 			}
 		}
@@ -960,22 +973,25 @@ func podSummary(p *corev1.Pod) string {
 }
 
 // listenersAtStart is what the app logged at its start: ztunnel's listeners
-// in its netns, and the moment (node clock; zero if the line is missing).
-func (s *soak) listenersAtStart(p *corev1.Pod) (string, time.Time, error) {
+// in its netns, the moment it began and the moment its read of them was
+// over (node clock; zero if a line is missing).
+func (s *soak) listenersAtStart(p *corev1.Pod) (listeners string, began, readBy time.Time, err error) {
 	out, err := s.c.Client.CoreV1().Pods(p.Namespace).GetLogs(p.Name, &corev1.PodLogOptions{}).DoRaw(s.ctx)
 	if err != nil {
-		return "", time.Time{}, err
+		return "", time.Time{}, time.Time{}, err
 	}
-	var at time.Time
 	for _, line := range strings.Split(string(out), "\n") {
 		if v, ok := strings.CutPrefix(line, "testapp started at: "); ok {
-			at, _ = time.Parse(time.RFC3339Nano, v)
+			began, _ = time.Parse(time.RFC3339Nano, v)
+		}
+		if v, ok := strings.CutPrefix(line, "testapp listeners read by: "); ok {
+			readBy, _ = time.Parse(time.RFC3339Nano, v)
 		}
 		if v, ok := strings.CutPrefix(line, "ztunnel listeners at start: "); ok {
-			return v, at, nil
+			return v, began, readBy, nil
 		}
 	}
-	return "", time.Time{}, fmt.Errorf("no listeners line yet")
+	return "", time.Time{}, time.Time{}, fmt.Errorf("no listeners line yet")
 }
 
 // checkLive checks, after the churn, every judged pod still running from

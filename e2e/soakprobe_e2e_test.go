@@ -121,6 +121,20 @@ func recordOf(records map[string][]ztunnel.RecordEntry, uid string) string {
 	return b.String()
 }
 
+// delBetween is the first time a stand-in closed uid's workload (a Del, or
+// left out of a snapshot) within (from, to].
+func delBetween(records map[string][]ztunnel.RecordEntry, uid string, from, to time.Time) (time.Time, bool) {
+	var first time.Time
+	for _, es := range records {
+		for _, e := range es {
+			if e.Event == "del" && e.UID == uid && e.Time.After(from) && !e.Time.After(to) && (first.IsZero() || e.Time.Before(first)) {
+				first = e.Time
+			}
+		}
+	}
+	return first, !first.IsZero()
+}
+
 // firstAck is when a stand-in first acknowledged an Add for uid in the
 // netns id (zero when none did).
 func firstAck(records map[string][]ztunnel.RecordEntry, uid, id string) time.Time {

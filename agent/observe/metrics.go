@@ -65,7 +65,7 @@ func NewMetrics() *Metrics {
 			// Up to a minute: a CNI ADD may take up to the agent's 55 s
 			// request timeout on a node starting many pods at once, and
 			// the tail is what tells whether it came close.
-			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 30, 60}}, []string{"source"}),
+			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 30, 45, 60}}, []string{"source"}),
 		ztunnelConns: prometheus.NewGauge(prometheus.GaugeOpts{Name: "inpod_ztunnel_connections",
 			Help: "Live ZDS connections."}),
 		ready: prometheus.NewGauge(prometheus.GaugeOpts{Name: "inpod_node_ready",

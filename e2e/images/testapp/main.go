@@ -36,7 +36,11 @@ func main() {
 	// one-second StartedAt. Taken before the read, so whatever was bound
 	// by then shows.
 	fmt.Printf("testapp started at: %s\n", time.Now().UTC().Format(time.RFC3339Nano))
-	fmt.Printf("ztunnel listeners at start: %v\n", ztunnelListeners())
+	listeners := ztunnelListeners()
+	// And after it: a listener closed before this moment may be why the
+	// read missed it.
+	fmt.Printf("testapp listeners read by: %s\n", time.Now().UTC().Format(time.RFC3339Nano))
+	fmt.Printf("ztunnel listeners at start: %v\n", listeners)
 	if *dial != "" {
 		c, err := net.DialTimeout("tcp", *dial, 5*time.Second)
 		if err != nil {
