@@ -99,9 +99,14 @@ type Config struct {
 	// Gate is how scheduling follows readiness: a comma list of gates
 	// (see gateList); empty means "deviceplugin", "none" no gate.
 	Gate string
-	// DevicePlugin configures the device-plugin gate; its Observer, Logger
-	// and DevicesFrom are filled in by the agent.
+	// DevicePlugin configures the device-plugin gate; its Observer, Logger,
+	// DevicesFrom and PreStart are filled in by the agent.
 	DevicePlugin deviceplugin.Config
+	// PodResourcesSocket is the kubelet's pod-resources API. With it the
+	// device-plugin gate also holds each container start of a gated pod
+	// until the pod runs redirected in its current sandbox (PreStart);
+	// empty, or missing at start: no such check.
+	PodResourcesSocket string
 	// DRA configures the dra gate; its Client, NodeName, Observer and
 	// Logger are filled in by the agent.
 	DRA dra.Config
@@ -123,6 +128,9 @@ type Agent struct {
 	// Set by Run.
 	pipeline *enroll.Pipeline
 	pods     *podCache
+	// preStart is the device-plugin gate's container-start check; nil
+	// without that gate or the pod-resources API.
+	preStart *preStartCheck
 }
 
 // stopTimeout bounds how long Run waits for what it started to stop, so a
@@ -315,6 +323,9 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	// Reconcile pods through a rate-limited queue, so failures retry with
 	// backoff and one pod never blocks another.
 	p.queue = workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[types.NamespacedName]())
+	if a.preStart != nil {
+		a.preStart.mayStart, a.preStart.requeue = p.pipeline.MayStart, p.queue.Add
+	}
 	// The pass list is refreshed right in the handlers, not through the
 	// queue: a pod that turns enrolled must leave it before its sandbox's
 	// ADD can read it.

@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"fmt"
+	"os"
 	"slices"
 	"strings"
 
@@ -76,6 +77,12 @@ func (a *Agent) newGates(names []string) ([]Gate, error) {
 		case "deviceplugin":
 			cfg := a.cfg.DevicePlugin
 			cfg.Observer, cfg.Logger, cfg.DevicesFrom = a.Metrics, a.log, a.podCapacity
+			if a.preStart, err = a.newPreStartCheck(cfg.ResourceName); err != nil {
+				return nil, err
+			}
+			if a.preStart != nil {
+				cfg.PreStart = a.preStart.check
+			}
 			g, err = deviceplugin.New(cfg)
 		case "dra":
 			// A client of its own: client-go rate-limits per client (5
@@ -101,4 +108,23 @@ func (a *Agent) newGates(names []string) ([]Gate, error) {
 		gates = append(gates, g)
 	}
 	return gates, nil
+}
+
+// newPreStartCheck builds the device-plugin gate's container-start check,
+// or nil (with a warning) when the kubelet's pod-resources API is not
+// there: without it the check could name no pod and would hold every gated
+// container for good.
+func (a *Agent) newPreStartCheck(resource string) (*preStartCheck, error) {
+	socket := a.cfg.PodResourcesSocket
+	if socket == "" {
+		return nil, nil
+	}
+	if resource == "" {
+		resource = deviceplugin.DefaultResourceName
+	}
+	if _, err := os.Stat(socket); err != nil {
+		a.log.Warn("the kubelet's pod-resources API is not there, so container starts are not checked: a pod whose sandbox was set up while another CNI's rewrite dropped inpod-cni can start before the agent redirects it (mount the kubelet's pod-resources directory, or set --pod-resources-socket)", "socket", socket, "err", err)
+		return nil, nil
+	}
+	return newPreStartCheck(socket, resource)
 }

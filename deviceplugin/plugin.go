@@ -65,8 +65,17 @@ type Config struct {
 	// surge never has two instances on one socket (default:
 	// inpod-<random>.sock).
 	SocketName string
-	Observer   Observer
-	Logger     *slog.Logger
+	// PreStart, when set, is asked before each container holding the
+	// plugin's devices starts (the kubelet's PreStartContainer, requested
+	// by registering with PreStartRequired): an error keeps that container
+	// from starting, and the kubelet tries again at its next sync. The
+	// scheduling gate cannot cover a pod admitted while the node was ready
+	// whose sandbox was then set up without inpod (another CNI rewrote the
+	// conflist in between); this holds its app until the agent has
+	// redirected the sandbox it runs in.
+	PreStart func(ctx context.Context, deviceIDs []string) error
+	Observer Observer
+	Logger   *slog.Logger
 }
 
 // Plugin is the device plugin.
@@ -286,7 +295,7 @@ func (p *Plugin) waitForRestart(ctx context.Context, w *fsnotify.Watcher, regist
 }
 
 func (p *Plugin) options() *pluginapi.DevicePluginOptions {
-	return &pluginapi.DevicePluginOptions{PreStartRequired: false, GetPreferredAllocationAvailable: false}
+	return &pluginapi.DevicePluginOptions{PreStartRequired: p.cfg.PreStart != nil, GetPreferredAllocationAvailable: false}
 }
 
 func (p *Plugin) followReadiness(ctx context.Context, states <-chan readiness.State) {
@@ -370,8 +379,15 @@ func (p *Plugin) Allocate(_ context.Context, req *pluginapi.AllocateRequest) (*p
 	return resp, nil
 }
 
-// PreStartContainer is not required (PreStartRequired is false).
-func (p *Plugin) PreStartContainer(context.Context, *pluginapi.PreStartContainerRequest) (*pluginapi.PreStartContainerResponse, error) {
+// PreStartContainer asks Config.PreStart, when set, whether the container
+// holding these devices may start.
+func (p *Plugin) PreStartContainer(ctx context.Context, req *pluginapi.PreStartContainerRequest) (*pluginapi.PreStartContainerResponse, error) {
+	if p.cfg.PreStart != nil {
+		if err := p.cfg.PreStart(ctx, req.GetDevicesIds()); err != nil {
+			p.log.Info("holding a container start", "devices", req.GetDevicesIds(), "why", err)
+			return nil, err
+		}
+	}
 	return &pluginapi.PreStartContainerResponse{}, nil
 }
 

@@ -2,9 +2,12 @@ package deviceplugin_test
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -146,6 +149,54 @@ func TestAllocateOnlyWhileReady(t *testing.T) {
 	c := resp.ContainerResponses[0]
 	if c.Envs[deviceplugin.GatedEnv] != "true" || c.Annotations[deviceplugin.GatedAnnotation] != "true" {
 		t.Fatalf("allocation %+v lacks the gated marker", c)
+	}
+}
+
+// With a PreStart check the plugin registers PreStartRequired, and the
+// check's answer decides each container start; without one the kubelet
+// never asks.
+func TestPreStartDecidesContainerStarts(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	k := startKubelet(t, dir)
+	startPlugin(t, dir, newReady(), nil)
+	eventually(t, "registration", func() bool { return k.Capacity(res) == 8 })
+	if asked, err := k.PreStart(ctx, res, []string{"a"}); asked || err != nil {
+		t.Fatalf("PreStart without a check: asked %v, %v; want not asked", asked, err)
+	}
+
+	dir = t.TempDir()
+	k = startKubelet(t, dir)
+	var (
+		mu   sync.Mutex
+		seen []string
+		hold = true
+	)
+	startPlugin(t, dir, newReady(), func(c *deviceplugin.Config) {
+		c.PreStart = func(_ context.Context, ids []string) error {
+			mu.Lock()
+			defer mu.Unlock()
+			seen = append(seen, ids...)
+			if hold {
+				return errors.New("pod mesh/web is not redirected yet")
+			}
+			return nil
+		}
+	})
+	eventually(t, "registration", func() bool { return k.Capacity(res) == 8 })
+	if asked, err := k.PreStart(ctx, res, []string{"dev-3"}); !asked || err == nil || !strings.Contains(err.Error(), "not redirected yet") {
+		t.Fatalf("PreStart while the check holds: asked %v, %v; want asked and the check's error", asked, err)
+	}
+	mu.Lock()
+	hold = false
+	mu.Unlock()
+	if asked, err := k.PreStart(ctx, res, []string{"dev-3"}); !asked || err != nil {
+		t.Fatalf("PreStart once the check passes: asked %v, %v", asked, err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if !slices.Equal(seen, []string{"dev-3", "dev-3"}) {
+		t.Fatalf("the check saw devices %v, want the container's dev-3 twice", seen)
 	}
 }
 

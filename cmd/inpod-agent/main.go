@@ -60,6 +60,7 @@ func run() error {
 	fs.StringVar(&cfg.AgentSelector, "agent-selector", agent.DefaultAgentSelector, "label selector of inpod agent pods (any installation); another one on this node keeps an uninstall from removing inpod here")
 	fs.StringVar(&cfg.PluginServiceAccount, "plugin-service-account", agent.DefaultPluginServiceAccount, "ServiceAccount in --pod-namespace whose token (TokenRequest API, renewed hourly) the plugin's agent-down check uses; it may only get pods and namespaces")
 	fs.StringVar(&cfg.DevicePlugin.PluginDir, "device-plugin-dir", deviceplugin.DefaultPluginDir, "the kubelet's device plugin directory")
+	fs.StringVar(&cfg.PodResourcesSocket, "pod-resources-socket", agent.DefaultPodResourcesSocket, "the kubelet's pod-resources API; with it the deviceplugin gate also holds each container start of a pod that requested --resource-name until the pod runs redirected in its current sandbox (PreStartContainer), closing the window where another CNI's rewrite dropped inpod-cni while the sandbox was set up; empty: no such check")
 	fs.StringVar(&cfg.DevicePlugin.ResourceName, "resource-name", deviceplugin.DefaultResourceName, "the extended resource pods request")
 	fs.IntVar(&cfg.DevicePlugin.Devices, "devices", 0, fmt.Sprintf("devices to advertise; 0: the Node's pod capacity (status.capacity.pods), or %d when it cannot be read", deviceplugin.DefaultDevices))
 	fs.StringVar(&cfg.DRA.RegistrarDir, "dra-registrar-dir", dra.DefaultRegistrarDir, "the kubelet's plugin registration directory (the dra gate registers there)")

@@ -235,6 +235,23 @@ func (k *Kubelet) Allocate(ctx context.Context, name string, n int) (*pluginapi.
 	})
 }
 
+// PreStart is the kubelet's call before starting a container holding the
+// devices ids: made only when the plugin registered with PreStartRequired
+// (ok false otherwise), and its error keeps the container from starting.
+func (k *Kubelet) PreStart(ctx context.Context, name string, ids []string) (ok bool, err error) {
+	k.mu.Lock()
+	r := k.resources[name]
+	k.mu.Unlock()
+	if r == nil {
+		return false, errors.New("endpoint not found in cache for a registered resource: " + name)
+	}
+	if r.options == nil || !r.options.PreStartRequired {
+		return false, nil
+	}
+	_, err = pluginapi.NewDevicePluginClient(r.conn).PreStartContainer(ctx, &pluginapi.PreStartContainerRequest{DevicesIds: ids})
+	return true, err
+}
+
 // Restart behaves like a kubelet restart: the registration server stops,
 // every socket in the directory is deleted, devices are forgotten, and a
 // new kubelet.sock appears.

@@ -91,6 +91,7 @@ func (t Target) Values(tag string) ([]string, error) {
 		"--set", "paths.stateDir=" + filepath.Join(t.Root, "inpod", "state"),
 		"--set", "paths.cniBinDir=" + t.CNIBin,
 		"--set", "paths.cniConfDir=" + t.CNIConf,
+		"--set", "paths.podResourcesSocket=" + filepath.Join(t.KubeletDir, "pod-resources", "kubelet.sock"),
 		"--set", "paths.draPluginRegistryDir=" + filepath.Join(t.KubeletDir, "plugins_registry"),
 		"--set", "paths.draPluginDir=" + filepath.Join(t.KubeletDir, "plugins", "redirection.inpod.dev"),
 		"--set", "agent.image.repository=" + images.AgentRepository,

@@ -1,0 +1,62 @@
+package enroll
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/inpod-dev/inpod/netns"
+)
+
+// MayStart says whether a container of the pod may start now (nil) or must
+// wait (why not). The device plugin asks before every container start of a
+// pod that requested the gate's resource (the kubelet's PreStartContainer).
+//
+// The scheduling gate only keeps such a pod off a node that is not ready.
+// Admitted while the node was ready, its sandbox can still be set up
+// without inpod: another CNI rewrote the conflist without inpod-cni, and the
+// runtime read it before the agent repaired it. Nothing then fails the
+// sandbox; without this check its app would start outside the mesh until
+// the agent found and redirected it in place.
+//
+// A pod the policy does not enroll may always start: holding it is not
+// inpod's business. An enrolled one may start only when it is in the table
+// with the sandbox it runs in now: the netns of the pod's own processes
+// (its pause container, before any app runs) that holds the IPs enrolled
+// (a procfs scan, as in reconcile). A sandbox set up again without inpod
+// is another netns, or no longer holds those IPs. The agent reconciles the
+// pod meanwhile; the kubelet asks again at its next sync.
+func (p *Pipeline) MayStart(ctx context.Context, namespace, name string) error {
+	pod, err := p.cfg.Pods.Pod(ctx, namespace, name)
+	if err != nil {
+		return fmt.Errorf("pod %s/%s is not known yet, so whether it runs redirected cannot be told: %w", namespace, name, err)
+	}
+	want, err := p.wants(ctx, pod)
+	if err != nil {
+		return err
+	}
+	if !want {
+		return nil
+	}
+	e := p.entry(pod.UID)
+	if e == nil {
+		return fmt.Errorf("pod %s/%s is enrolled but not redirected yet (its sandbox was set up without its CNI ADD reaching inpod); holding its containers until the agent redirects it", namespace, name)
+	}
+	if len(e.ips) == 0 {
+		// A CNI result with no IPs: nothing to tell the sandbox by; it
+		// was enrolled through its ADD.
+		return nil
+	}
+	f, err := p.cfg.Finder.Find(SandboxUID(pod), e.ips)
+	if err != nil {
+		return fmt.Errorf("pod %s/%s: no process of it runs in a netns holding the IPs it was redirected with (%v): its sandbox was set up again without inpod; holding its containers until the agent redirects the new one: %w", namespace, name, e.ips, err)
+	}
+	defer f.Close()
+	id, err := netns.IdentityOf(int(f.Fd()))
+	if err != nil {
+		return err
+	}
+	if id != e.id {
+		return fmt.Errorf("pod %s/%s runs in netns %s, inpod redirected %s: its sandbox was set up again without inpod; holding its containers until the agent redirects the new one", namespace, name, id, e.id)
+	}
+	return nil
+}
