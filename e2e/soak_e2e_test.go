@@ -906,12 +906,14 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records
 		s.done(sp, "ran redirected")
 	default:
 		switch {
-		case constant && labelled && redirected && s.clobberedDuring(created, started):
+		case constant && labelled && redirected && s.clobberedDuring(created, started) && !sp.gated:
 			// Another CNI's rewrite dropped inpod from the chain while this
-			// pod's sandbox was set up: the runtime never called inpod, so
-			// nothing could stop the start; the agent found the pod running
-			// and redirected it in place (README, Known limits).
-			s.knownLimit("enrolled %s started while the conflist lacked inpod (a clobber overlapped its set-up); redirected in place afterwards", key)
+			// pod's sandbox was set up: the runtime never called inpod, and
+			// the pod requested no gate resource (created before its
+			// namespace was labelled), so no PreStartContainer held its
+			// app; the agent found it running and redirected it in place
+			// (README, Known limits). A gated pod gets no such excuse.
+			s.knownLimit("enrolled %s (no gate resource) started while the conflist lacked inpod (a clobber overlapped its set-up); redirected in place afterwards", key)
 		case constant && labelled:
 			s.violate("enrolled %s ran unredirected: no Add acknowledged for its netns %s (%s) before its start and no listeners (rules now:\n%s)", key, name, id, rules)
 		}
