@@ -122,9 +122,18 @@ func (a *Agent) newPreStartCheck(resource string) (*preStartCheck, error) {
 	if resource == "" {
 		resource = deviceplugin.DefaultResourceName
 	}
+	warn := func(err error) {
+		a.log.Warn("the kubelet's pod-resources API does not answer, so container starts are not checked: a pod whose sandbox was set up while another CNI's rewrite dropped inpod-cni can start before the agent redirects it (mount the kubelet's pod-resources directory read-only, or set --pod-resources-socket)", "socket", socket, "err", err)
+	}
 	if _, err := os.Stat(socket); err != nil {
-		a.log.Warn("the kubelet's pod-resources API is not there, so container starts are not checked: a pod whose sandbox was set up while another CNI's rewrite dropped inpod-cni can start before the agent redirects it (mount the kubelet's pod-resources directory, or set --pod-resources-socket)", "socket", socket, "err", err)
+		warn(err)
 		return nil, nil
 	}
-	return newPreStartCheck(socket, resource)
+	c, err := newPreStartCheck(context.Background(), socket, resource, a.log)
+	if err != nil {
+		warn(err)
+		return nil, nil
+	}
+	a.log.Info("container starts of gated pods are checked (PreStartContainer)", "podResources", socket)
+	return c, nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"time"
 
@@ -22,6 +23,7 @@ const DefaultPodResourcesSocket = "/var/lib/kubelet/pod-resources/kubelet.sock"
 // alone) and asks the pipeline whether that pod runs redirected in its
 // current sandbox (enroll.Pipeline.MayStart).
 type preStartCheck struct {
+	log      *slog.Logger
 	resource string
 	lister   podresourcesapi.PodResourcesListerClient
 	// mayStart and requeue are the agent's, set once it has built them;
@@ -30,22 +32,41 @@ type preStartCheck struct {
 	requeue  func(types.NamespacedName)
 }
 
-func newPreStartCheck(socket, resource string) (*preStartCheck, error) {
-	// Dialled lazily: the kubelet may start after the agent.
+// newPreStartCheck connects to the pod-resources API and lists once: an
+// API that does not answer would hold every gated container for good, so
+// the caller runs without the check then.
+func newPreStartCheck(ctx context.Context, socket, resource string, log *slog.Logger) (*preStartCheck, error) {
 	conn, err := grpc.NewClient("unix://"+socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
-		return nil, fmt.Errorf("agent: the kubelet's pod-resources API at %s: %w", socket, err)
+		return nil, err
 	}
-	return &preStartCheck{resource: resource, lister: podresourcesapi.NewPodResourcesListerClient(conn)}, nil
+	lister := podresourcesapi.NewPodResourcesListerClient(conn)
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if _, err := lister.List(ctx, &podresourcesapi.ListPodResourcesRequest{}); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	return &preStartCheck{log: log, resource: resource, lister: lister}, nil
 }
 
 func (c *preStartCheck) check(ctx context.Context, deviceIDs []string) error {
 	if c.mayStart == nil {
 		return errors.New("the agent is starting; holding the container until it can tell whether its pod runs redirected")
 	}
-	key, err := c.podOf(ctx, deviceIDs)
+	key, found, err := c.podOf(ctx, deviceIDs)
 	if err != nil {
 		return err
+	}
+	if !found {
+		// The kubelet lists app and sidecar containers, not plain init
+		// containers: a request written by hand on one cannot be traced
+		// to a pod, and holding it would hold that pod for good. The
+		// chart's policy puts the request on the first app container.
+		if c.log != nil {
+			c.log.Info("letting a container start: the kubelet names no pod holding its devices (a plain init container?)", "resource", c.resource, "devices", deviceIDs)
+		}
+		return nil
 	}
 	if err := c.mayStart(ctx, key.Namespace, key.Name); err != nil {
 		// The pod update that shows its sandbox's IPs reconciles it
@@ -58,13 +79,14 @@ func (c *preStartCheck) check(ctx context.Context, deviceIDs []string) error {
 	return nil
 }
 
-// podOf names the pod one of whose containers holds the devices.
-func (c *preStartCheck) podOf(ctx context.Context, deviceIDs []string) (types.NamespacedName, error) {
+// podOf names the pod one of whose containers holds the devices; found is
+// false when the kubelet lists none.
+func (c *preStartCheck) podOf(ctx context.Context, deviceIDs []string) (_ types.NamespacedName, found bool, _ error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	resp, err := c.lister.List(ctx, &podresourcesapi.ListPodResourcesRequest{})
 	if err != nil {
-		return types.NamespacedName{}, fmt.Errorf("ask the kubelet which pod holds %s devices %v: %w", c.resource, deviceIDs, err)
+		return types.NamespacedName{}, false, fmt.Errorf("ask the kubelet which pod holds %s devices %v: %w", c.resource, deviceIDs, err)
 	}
 	for _, pod := range resp.GetPodResources() {
 		for _, ctr := range pod.GetContainers() {
@@ -74,11 +96,11 @@ func (c *preStartCheck) podOf(ctx context.Context, deviceIDs []string) (types.Na
 				}
 				for _, id := range dev.GetDeviceIds() {
 					if slices.Contains(deviceIDs, id) {
-						return types.NamespacedName{Namespace: pod.GetNamespace(), Name: pod.GetName()}, nil
+						return types.NamespacedName{Namespace: pod.GetNamespace(), Name: pod.GetName()}, true, nil
 					}
 				}
 			}
 		}
 	}
-	return types.NamespacedName{}, fmt.Errorf("the kubelet names no pod holding %s devices %v", c.resource, deviceIDs)
+	return types.NamespacedName{}, false, nil
 }

@@ -3,6 +3,9 @@ package agent
 import (
 	"context"
 	"errors"
+	"log/slog"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -48,11 +51,31 @@ func TestPreStartNamesThePodHoldingTheDevices(t *testing.T) {
 	if len(asked) != 1 || asked[0] != web || len(requeued) != 1 || requeued[0] != web {
 		t.Fatalf("asked %v, requeued %v; want mesh/web once each", asked, requeued)
 	}
-	if err := c.check(context.Background(), []string{"dev-9"}); err == nil || !strings.Contains(err.Error(), "names no pod") {
-		t.Fatalf("check of devices no pod holds = %v, want held", err)
+	// A plain init container's devices: the kubelet does not list it, so
+	// no pod can be named, and holding it would hold that pod for good.
+	if err := c.check(context.Background(), []string{"dev-9"}); err != nil || len(asked) != 1 {
+		t.Fatalf("check of devices no listed container holds = %v (asked %v), want let through", err, asked)
 	}
 	starting := &preStartCheck{resource: res, lister: listedPods{pods: pods}}
 	if err := starting.check(context.Background(), []string{"dev-7"}); err == nil || !strings.Contains(err.Error(), "starting") {
 		t.Fatalf("check before the agent has built its pipeline = %v, want held", err)
+	}
+}
+
+// A pod-resources socket that is there but does not answer turns the check
+// off: on, it would hold every gated container for good.
+func TestPreStartCheckOffWhenThePodResourcesAPIDoesNotAnswer(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "kubelet.sock")
+	if err := os.WriteFile(path, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a := &Agent{cfg: Config{PodResourcesSocket: path}, log: slog.New(slog.DiscardHandler)}
+	c, err := a.newPreStartCheck("")
+	if err != nil || c != nil {
+		t.Fatalf("newPreStartCheck with a dead socket = %v, %v; want no check and no error", c, err)
+	}
+	a.cfg.PodResourcesSocket = filepath.Join(t.TempDir(), "missing.sock")
+	if c, err := a.newPreStartCheck(""); err != nil || c != nil {
+		t.Fatalf("newPreStartCheck with no socket = %v, %v; want no check and no error", c, err)
 	}
 }

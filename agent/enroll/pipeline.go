@@ -49,9 +49,11 @@ type (
 		// the namespace is not known.
 		Namespace(ctx context.Context, name string) (*corev1.Namespace, error)
 	}
-	// NetnsFinder locates a running pod's netns (podnetns.Finder).
+	// NetnsFinder locates a running pod's netns (podnetns.Finder), and
+	// tells whether a netns holds one of the IPs.
 	NetnsFinder interface {
 		Find(uid string, ips []netip.Addr) (*os.File, error)
+		Holds(ns *os.File, ips []netip.Addr) bool
 	}
 	// Annotations converge the pod's redirection annotation, off the
 	// critical path; "" removes it.

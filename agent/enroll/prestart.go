@@ -3,6 +3,7 @@ package enroll
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/inpod-dev/inpod/netns"
 )
@@ -22,9 +23,10 @@ import (
 // inpod's business. An enrolled one may start only when it is in the table
 // with the sandbox it runs in now: the netns of the pod's own processes
 // (its pause container, before any app runs) that holds the IPs enrolled
-// (a procfs scan, as in reconcile). A sandbox set up again without inpod
-// is another netns, or no longer holds those IPs. The agent reconciles the
-// pod meanwhile; the kubelet asks again at its next sync.
+// (a procfs scan, as in reconcile), or, with no such process, the netns
+// enrolled still holding them. A sandbox set up again without inpod is
+// another netns, or has taken the IPs away from the old one. The agent
+// reconciles the pod meanwhile; the kubelet asks again at its next sync.
 func (p *Pipeline) MayStart(ctx context.Context, namespace, name string) error {
 	pod, err := p.cfg.Pods.Pod(ctx, namespace, name)
 	if err != nil {
@@ -48,7 +50,16 @@ func (p *Pipeline) MayStart(ctx context.Context, namespace, name string) error {
 	}
 	f, err := p.cfg.Finder.Find(SandboxUID(pod), e.ips)
 	if err != nil {
-		return fmt.Errorf("pod %s/%s: no process of it runs in a netns holding the IPs it was redirected with (%v): its sandbox was set up again without inpod; holding its containers until the agent redirects the new one: %w", namespace, name, e.ips, err)
+		// No process of the pod in a netns holding those IPs. Before its
+		// first container, that is the normal case on a runtime without
+		// an infra process (CRI-O's drop_infra_ctr): the netns enrolled
+		// still holding them is the sandbox. One set up again has them
+		// no more (the primary CNI's DEL took them out of the old one).
+		if p.cfg.Finder.Holds(e.netns, e.ips) {
+			return nil
+		}
+		p.recheck(e)
+		return fmt.Errorf("pod %s/%s: the netns it was redirected in no longer holds its IPs %v, and no process of it runs in one that does: its sandbox was set up again without inpod; holding its containers until the agent redirects the new one", namespace, name, e.ips)
 	}
 	defer f.Close()
 	id, err := netns.IdentityOf(int(f.Fd()))
@@ -56,7 +67,16 @@ func (p *Pipeline) MayStart(ctx context.Context, namespace, name string) error {
 		return err
 	}
 	if id != e.id {
+		p.recheck(e)
 		return fmt.Errorf("pod %s/%s runs in netns %s, inpod redirected %s: its sandbox was set up again without inpod; holding its containers until the agent redirects the new one", namespace, name, id, e.id)
 	}
 	return nil
+}
+
+// recheck makes the pod's next reconcile look for its sandbox: the status
+// of a sandbox set up again with the same IPs may say nothing new.
+func (p *Pipeline) recheck(e *entry) {
+	p.mu.Lock()
+	e.checkedAt = time.Time{}
+	p.mu.Unlock()
 }

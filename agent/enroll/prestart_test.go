@@ -50,6 +50,18 @@ func TestMayStartOnlyInTheRedirectedSandbox(t *testing.T) {
 	if err := f.p.MayStart(ctx, "mesh", "web"); err == nil || !strings.Contains(err.Error(), "set up again") {
 		t.Fatalf("MayStart in a new sandbox inpod did not redirect = %v, want held", err)
 	}
+	// The refusal makes the next reconcile look, though the status shows
+	// the same IPs as before: the new sandbox is redirected, the pod may
+	// start.
+	if err := f.p.Reconcile(ctx, f.running(pod, sandbox{sb2.NetNS, sb.ip})); err != nil {
+		t.Fatal(err)
+	}
+	if !hasRules(t, sb2) {
+		t.Fatal("the reconcile after a refused start did not redirect the new sandbox")
+	}
+	if err := f.p.MayStart(ctx, "mesh", "web"); err != nil {
+		t.Fatalf("MayStart once the new sandbox is redirected = %v", err)
+	}
 
 	// Through its CNI ADD, the normal way: it may start.
 	fresh, fsb := f.pod("mesh", "api", nil), f.sandbox()
@@ -59,5 +71,16 @@ func TestMayStartOnlyInTheRedirectedSandbox(t *testing.T) {
 	}
 	if err := f.p.MayStart(ctx, "mesh", "api"); err != nil {
 		t.Fatalf("MayStart after the pod's own ADD = %v", err)
+	}
+
+	// A runtime without an infra process (CRI-O's drop_infra_ctr): before
+	// its first container nothing of the pod runs, and the netns its ADD
+	// enrolled, still holding its IPs, is its sandbox.
+	bare, bsb := f.pod("mesh", "no-infra", nil), f.sandbox()
+	if out, err := f.add(bare, bsb, "c-bare"); err != nil {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	if err := f.p.MayStart(ctx, "mesh", "no-infra"); err != nil {
+		t.Fatalf("MayStart of a pod with no process yet, in the sandbox its ADD enrolled = %v", err)
 	}
 }

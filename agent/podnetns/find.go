@@ -121,6 +121,9 @@ func startTime(path string) uint64 {
 	return v
 }
 
+// Holds is HoldsAny, for callers that take a Finder.
+func (Finder) Holds(ns *os.File, ips []netip.Addr) bool { return HoldsAny(ns, ips) }
+
 // HoldsAny reports whether the netns ns has one of ips on an interface,
 // read over netlink without entering it.
 func HoldsAny(ns *os.File, ips []netip.Addr) bool {
