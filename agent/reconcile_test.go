@@ -35,16 +35,8 @@ func TestReconcileDropsAnOldIncarnationOfARecreatedPod(t *testing.T) {
 	indexer := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
 	pods := &podCache{pods: listersv1.NewPodLister(indexer), client: fake.NewClientset(recreated)}
 
-	p := enroll.New(enroll.Config{Rules: noRules{}, Probes: noProbes{}, Ztunnel: noZtunnel{}, Pods: onePod{old},
-		Annotations: nop{}, Events: nop{}, Observer: nop{}})
-	t.Cleanup(p.Close)
-	a := &Agent{pipeline: p}
-	sb := netnstest.New(t)
+	a, p := agentWithEnrolled(t, old)
 	ctx := context.Background()
-	if out, err := p.Add(ctx, &cnievent.Request{Command: cnievent.Add, PodNamespace: "mesh", PodName: "web-0",
-		PodUID: "uid-old", ContainerID: "c-old", Netns: sb.Path}); out != cnievent.Redirected {
-		t.Fatalf("ADD = %q, %v", out, err)
-	}
 	if err := indexer.Add(recreated); err != nil {
 		t.Fatal(err)
 	}
@@ -65,16 +57,8 @@ func TestReconcileKeepsAnEnrolledPodTheCacheLagsOn(t *testing.T) {
 	key := types.NamespacedName{Namespace: "mesh", Name: "web-0"}
 	client := fake.NewClientset(pod)
 	pods := &podCache{pods: listersv1.NewPodLister(cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})), client: client}
-	p := enroll.New(enroll.Config{Rules: noRules{}, Probes: noProbes{}, Ztunnel: noZtunnel{}, Pods: onePod{pod},
-		Annotations: nop{}, Events: nop{}, Observer: nop{}})
-	t.Cleanup(p.Close)
-	a := &Agent{pipeline: p}
-	sb := netnstest.New(t)
+	a, p := agentWithEnrolled(t, pod)
 	ctx := context.Background()
-	if out, err := p.Add(ctx, &cnievent.Request{Command: cnievent.Add, PodNamespace: "mesh", PodName: "web-0",
-		PodUID: "uid-1", ContainerID: "c-1", Netns: sb.Path}); out != cnievent.Redirected {
-		t.Fatalf("ADD = %q, %v", out, err)
-	}
 
 	if err := a.reconcileOne(ctx, key, pods); err != nil {
 		t.Fatal(err)
@@ -102,6 +86,21 @@ func TestReconcileKeepsAnEnrolledPodTheCacheLagsOn(t *testing.T) {
 	if p.IsEnrolled("uid-1") {
 		t.Fatal("a deleted pod whose DEL was missed is still enrolled")
 	}
+}
+
+// agentWithEnrolled is an agent whose pipeline enrolled pod through its
+// CNI ADD (in a scratch netns; rules, probes and ztunnel no-ops).
+func agentWithEnrolled(t *testing.T, pod *corev1.Pod) (*Agent, *enroll.Pipeline) {
+	t.Helper()
+	p := enroll.New(enroll.Config{Rules: noRules{}, Probes: noProbes{}, Ztunnel: noZtunnel{}, Pods: onePod{pod},
+		Annotations: nop{}, Events: nop{}, Observer: nop{}})
+	t.Cleanup(p.Close)
+	sb := netnstest.New(t)
+	if out, err := p.Add(context.Background(), &cnievent.Request{Command: cnievent.Add, PodNamespace: pod.Namespace, PodName: pod.Name,
+		PodUID: string(pod.UID), ContainerID: "c-" + string(pod.UID), Netns: sb.Path}); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	return &Agent{pipeline: p}, p
 }
 
 type noRules struct{}
