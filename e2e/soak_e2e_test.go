@@ -776,7 +776,8 @@ func (s *soak) judgeLoop(ctx context.Context) {
 
 func (s *soak) judgeRound() {
 	var byIP map[string]string
-	records := standinRecords(s.recordDir)
+	var byIPAt time.Time
+	records := &roundRecords{}
 	for _, ns := range []string{"mesh", "plain", "flip"} {
 		l, err := s.c.Client.CoreV1().Pods(ns).List(s.ctx, metav1.ListOptions{LabelSelector: "soak=1"})
 		if err != nil {
@@ -791,7 +792,11 @@ func (s *soak) judgeRound() {
 			if sp == nil || sp.judged || p.DeletionTimestamp != nil {
 				continue
 			}
-			if byIP == nil && p.Status.PodIP != "" {
+			// Read again for a pod whose container started after the
+			// map was read: its sandbox (or its IP, released by a pod
+			// deleted meanwhile) may be newer than the map.
+			if p.Status.PodIP != "" && (byIP == nil || !byIPAt.After(containerStarted(p).Add(time.Second))) {
+				byIPAt = time.Now()
 				byIP = netnsByIP()
 			}
 			s.judge(sp, p, byIP, records)
@@ -807,7 +812,35 @@ func (s *soak) done(sp *soakPod, outcome string) {
 	s.mu.Unlock()
 }
 
-func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records map[string][]ztunnel.RecordEntry) {
+// containerStarted is when the pod's container last started (zero if it
+// does not run).
+func containerStarted(p *corev1.Pod) time.Time {
+	if len(p.Status.ContainerStatuses) == 0 || p.Status.ContainerStatuses[0].State.Running == nil {
+		return time.Time{}
+	}
+	return p.Status.ContainerStatuses[0].State.Running.StartedAt.Time
+}
+
+// roundRecords is a judging round's copy of the stand-ins' records and when
+// it was read.
+type roundRecords struct {
+	at time.Time
+	m  map[string][]ztunnel.RecordEntry
+}
+
+// covering returns records read after t, reading them again when the
+// round's copy is older: a round that judges many pods takes seconds on a
+// loaded node, and a pod started after the copy was read would look
+// unacknowledged (seen in CI).
+func (rs *roundRecords) covering(dir string, t time.Time) map[string][]ztunnel.RecordEntry {
+	if rs.m == nil || !rs.at.After(t) {
+		rs.at = time.Now()
+		rs.m = standinRecords(dir)
+	}
+	return rs.m
+}
+
+func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, round *roundRecords) {
 	key := sp.ns + "/" + sp.name
 	created := p.CreationTimestamp.Time
 	var running *corev1.ContainerStateRunning
@@ -857,6 +890,7 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records
 	anyInpod := strings.Contains(rules, "15001") || strings.Contains(rules, "15006")
 	labelled, constant := s.labelledOver(sp.ns, created.Add(-2*time.Second), started.Add(2*time.Second))
 	_, unchangedSince := s.labelledOver(sp.ns, created.Add(-2*time.Second), time.Now().Add(2*time.Second))
+	records := round.covering(s.recordDir, readBy)
 	sp.uid, sp.netns, sp.ip, sp.started = string(p.UID), id, p.Status.PodIP, started
 	q := p.Spec.Containers[0].Resources.Limits[gateResource]
 	sp.gated = q.Value() > 0
@@ -879,8 +913,8 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, records
 			s.knownLimit("enrolled %s: the app saw ztunnel's listeners at its start %s; the stand-in's record of the ack came after",
 				key, appStart.UTC().Format("15:04:05.000000"))
 		default:
-			s.violate("enrolled %s (uid %s) runs in netns %s (%s) with no Add acknowledged for it by a stand-in before its start %s",
-				key, p.UID, name, id, started.UTC().Format(time.RFC3339))
+			s.violate("enrolled %s (uid %s) runs in netns %s (%s) with no Add acknowledged for it by a stand-in before the app's start %s, yet the app saw ztunnel's listeners; the stand-ins' record of it:\n%s",
+				key, p.UID, name, id, appStart.UTC().Format("15:04:05.000000"), recordOf(records, string(p.UID)))
 		}
 		// The stand-in SIGKILLed after its ack and before the app ran
 		// took the listeners along (as a ztunnel crash does): the pod is
