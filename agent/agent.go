@@ -597,6 +597,11 @@ func (a *Agent) reconcileOne(ctx context.Context, key types.NamespacedName, pods
 			errs = append(errs, err)
 		}
 	}
+	var cached types.UID
+	if err == nil {
+		cached = pod.UID
+	}
+	a.pipeline.ForgetGone(key, cached)
 	if err == nil {
 		errs = append(errs, a.pipeline.Reconcile(ctx, pod))
 	}

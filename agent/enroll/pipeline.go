@@ -104,6 +104,12 @@ type Pipeline struct {
 	// status yet, namespace not known. See Restore.
 	held  map[types.UID]*heldPod
 	locks map[types.UID]*podLock
+	// relabelledOut are terminating pods a label change took out of the
+	// mesh while their sandbox still ran: the one case where a terminating
+	// pod that is not in the table has something to redirect again if it
+	// is labelled back. Cleared by the sandbox's DEL, by enrolling the pod
+	// again, and once the pod is gone (ForgetGone).
+	relabelledOut map[types.UID]types.NamespacedName
 }
 
 // heldPod is an enrolled pod whose netns the agent does not hold. Snapshots
@@ -147,7 +153,8 @@ func New(cfg Config) *Pipeline {
 		log = slog.Default()
 	}
 	return &Pipeline{cfg: cfg, log: log.With("component", "enroll"),
-		enrolled: map[types.UID]*entry{}, held: map[types.UID]*heldPod{}, locks: map[types.UID]*podLock{}}
+		enrolled: map[types.UID]*entry{}, held: map[types.UID]*heldPod{}, locks: map[types.UID]*podLock{},
+		relabelledOut: map[types.UID]types.NamespacedName{}}
 }
 
 func (p *Pipeline) lock(uid types.UID) func() {
@@ -356,6 +363,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	}
 	// Enrolled with a netns now: its Add has replaced the Keep.
 	p.setHeld(pod.UID, nil)
+	p.setRelabelledOut(pod.UID, key, false)
 	p.cfg.Annotations.Set(key, AnnotationEnabled)
 	p.log.Info("pod enrolled", "pod", key, "uid", pod.UID, "netns", id, "containerID", sb.containerID, "ips", sb.ips)
 	return nil
@@ -374,6 +382,35 @@ func (p *Pipeline) unpublish(ctx context.Context, uid types.UID, old *entry) {
 	defer cancel()
 	if err := p.cfg.Ztunnel.Del(ctx, string(uid)); err != nil {
 		p.log.Warn("could not withdraw a pod whose start failed from ztunnel; its next snapshot drops it", "uid", uid, "err", err)
+	}
+}
+
+func (p *Pipeline) setRelabelledOut(uid types.UID, pod types.NamespacedName, out bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if out {
+		p.relabelledOut[uid] = pod
+	} else {
+		delete(p.relabelledOut, uid)
+	}
+}
+
+func (p *Pipeline) isRelabelledOut(uid types.UID) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	_, ok := p.relabelledOut[uid]
+	return ok
+}
+
+// ForgetGone drops what the pipeline remembers of incarnations of the pod
+// named key other than live (zero: the pod is gone from the API).
+func (p *Pipeline) ForgetGone(key types.NamespacedName, live types.UID) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for uid, pod := range p.relabelledOut {
+		if pod == key && uid != live {
+			delete(p.relabelledOut, uid)
+		}
 	}
 }
 
@@ -433,6 +470,9 @@ func (p *Pipeline) observeFailure(reason string) { p.cfg.Observer.Failed(reason)
 // live sandbox unredirected, while ignoring a real one only leaves the pod in
 // the table until its pod watch or the sandbox check removes it.
 func (p *Pipeline) Del(ctx context.Context, req *cnievent.Request) (cnievent.Outcome, error) {
+	// Its sandbox going away: nothing of a pod relabelled out while it
+	// drained is left to redirect.
+	p.setRelabelledOut(types.UID(req.PodUID), types.NamespacedName{}, false)
 	uid, ok := p.lookup(req)
 	if !ok {
 		return cnievent.NotEnrolled, nil
@@ -720,7 +760,7 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 	}
 	e := p.entry(pod.UID)
 	switch {
-	case want && e == nil && pod.DeletionTimestamp != nil && h == nil && !restoring:
+	case want && e == nil && pod.DeletionTimestamp != nil && h == nil && !restoring && !p.isRelabelledOut(pod.UID):
 		// Being deleted and not in this agent's table: its sandbox's DEL
 		// has come (or it never ran redirected under this agent), and the
 		// kubelet gives a terminating pod no new sandbox. Nothing runs to
@@ -728,7 +768,9 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 		// each time, until the pod is gone. Not at restore: the table is
 		// new then, and a pod the previous agent enrolled may still run
 		// (draining) with its rules in place, unannotated if that agent
-		// died before its patch.
+		// died before its patch. Not for a pod a label change took out
+		// while it drained: its sandbox still runs, labelled back it is
+		// redirected again.
 		return nil
 	case want && e == nil:
 		ips := podIPs(pod)
@@ -753,7 +795,13 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 		p.cfg.Observer.Enrolled("reconcile", time.Since(start))
 		return nil
 	case !want && e != nil:
-		return p.unenroll(ctx, pod.UID, e)
+		if err := p.unenroll(ctx, pod.UID, e); err != nil {
+			return err
+		}
+		if pod.DeletionTimestamp != nil && !finished {
+			p.setRelabelledOut(pod.UID, types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, true)
+		}
+		return nil
 	case !want && (h != nil || restoring && annotated(pod)):
 		ips := podIPs(pod)
 		if h != nil {

@@ -732,6 +732,52 @@ func TestReconcileScansProcfsOnlyWhenTheSandboxMayHaveChanged(t *testing.T) {
 	}
 }
 
+// A pod that a label change took out of the mesh while it drained, and
+// that is labelled back before it ends, still runs in its sandbox: it is
+// redirected again. Its sandbox's DEL ends that (nothing left to redirect).
+func TestTerminatingPodRelabelledBackIsRedirectedAgain(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	pod, sb := f.pod("mesh", "draining", nil), f.sandbox()
+	sb.RunAsPod(t, string(pod.UID))
+	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+	defer cancel()
+	now := metav1.Now()
+	terminating := f.running(pod, sb)
+	terminating.DeletionTimestamp = &now
+	out := terminating.DeepCopy()
+	out.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneNone}
+	if err := f.p.Reconcile(ctx, out); err != nil {
+		t.Fatal(err)
+	}
+	if f.p.IsEnrolled(pod.UID) || hasRules(t, sb) {
+		t.Fatal("a terminating pod labelled out of the mesh stayed in it")
+	}
+	if err := f.p.Reconcile(ctx, terminating); err != nil {
+		t.Fatal(err)
+	}
+	if !f.p.IsEnrolled(pod.UID) || !hasRules(t, sb) {
+		t.Fatal("a terminating pod labelled back into the mesh while its sandbox runs was not redirected again")
+	}
+	testkit.Eventually(t, waitFor, "ztunnel told again", func() bool { id, ok := inZtunnel(z, pod); return ok && id == identity(t, sb) })
+
+	// Out again, then its sandbox's DEL: labelled back now, nothing is
+	// searched for.
+	if err := f.p.Reconcile(ctx, out); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := f.p.Del(ctx, request(cnievent.Del, pod, sb, "c1")); err != nil {
+		t.Fatalf("DEL = %q, %v", out, err)
+	}
+	before := f.finder.calls.Load()
+	if err := f.p.Reconcile(ctx, terminating); err != nil || f.p.IsEnrolled(pod.UID) || f.finder.calls.Load() != before {
+		t.Fatalf("after its DEL: reconcile %v, enrolled %v, netns searched %d times", err, f.p.IsEnrolled(pod.UID), f.finder.calls.Load()-before)
+	}
+}
+
 // A pod being deleted whose sandbox's DEL has come is done with: the
 // kubelet gives a terminating pod no new sandbox, so there is nothing to
 // redirect. Its later status updates (still Running, IPs still listed
