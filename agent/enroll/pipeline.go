@@ -107,9 +107,12 @@ type Pipeline struct {
 	// relabelledOut are terminating pods a label change took out of the
 	// mesh while their sandbox still ran: the one case where a terminating
 	// pod that is not in the table has something to redirect again if it
-	// is labelled back. Cleared by the sandbox's DEL, by enrolling the pod
-	// again, and once the pod is gone (ForgetGone).
+	// is labelled back. delSeen are pods (by API UID, and by the UID the
+	// runtime names them by) a CNI DEL came for, acted on or not: their
+	// sandbox is going, so there is nothing to redirect. Both are cleared
+	// by enrolling the pod again and once the pod is gone (ForgetGone).
 	relabelledOut map[types.UID]types.NamespacedName
+	delSeen       map[types.UID]types.NamespacedName
 }
 
 // heldPod is an enrolled pod whose netns the agent does not hold. Snapshots
@@ -154,7 +157,7 @@ func New(cfg Config) *Pipeline {
 	}
 	return &Pipeline{cfg: cfg, log: log.With("component", "enroll"),
 		enrolled: map[types.UID]*entry{}, held: map[types.UID]*heldPod{}, locks: map[types.UID]*podLock{},
-		relabelledOut: map[types.UID]types.NamespacedName{}}
+		relabelledOut: map[types.UID]types.NamespacedName{}, delSeen: map[types.UID]types.NamespacedName{}}
 }
 
 func (p *Pipeline) lock(uid types.UID) func() {
@@ -363,7 +366,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	}
 	// Enrolled with a netns now: its Add has replaced the Keep.
 	p.setHeld(pod.UID, nil)
-	p.setRelabelledOut(pod.UID, key, false)
+	p.forgetEnded(pod)
 	p.cfg.Annotations.Set(key, AnnotationEnabled)
 	p.log.Info("pod enrolled", "pod", key, "uid", pod.UID, "netns", id, "containerID", sb.containerID, "ips", sb.ips)
 	return nil
@@ -385,21 +388,49 @@ func (p *Pipeline) unpublish(ctx context.Context, uid types.UID, old *entry) {
 	}
 }
 
-func (p *Pipeline) setRelabelledOut(uid types.UID, pod types.NamespacedName, out bool) {
+// markRelabelledOut remembers a terminating pod a label change took out
+// of the mesh, unless its sandbox's DEL has come.
+func (p *Pipeline) markRelabelledOut(pod *corev1.Pod) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if out {
-		p.relabelledOut[uid] = pod
-	} else {
-		delete(p.relabelledOut, uid)
+	if _, gone := p.delSeen[pod.UID]; gone {
+		return
 	}
+	if _, gone := p.delSeen[types.UID(SandboxUID(pod))]; gone {
+		return
+	}
+	p.relabelledOut[pod.UID] = types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}
 }
 
-func (p *Pipeline) isRelabelledOut(uid types.UID) bool {
+// mayRedirectAgain: a terminating pod not in the table still runs a
+// sandbox to redirect (it was relabelled out while draining, and no DEL
+// came since).
+func (p *Pipeline) mayRedirectAgain(pod *corev1.Pod) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	_, ok := p.relabelledOut[uid]
-	return ok
+	_, out := p.relabelledOut[pod.UID]
+	_, del := p.delSeen[pod.UID]
+	_, sandboxDel := p.delSeen[types.UID(SandboxUID(pod))]
+	return out && !del && !sandboxDel
+}
+
+func (p *Pipeline) sawDel(uid types.UID, pod types.NamespacedName) {
+	if uid == "" {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.delSeen[uid] = pod
+}
+
+// forgetEnded drops the marks of a pod enrolled again: a DEL seen before
+// was an older sandbox's.
+func (p *Pipeline) forgetEnded(pod *corev1.Pod) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	delete(p.relabelledOut, pod.UID)
+	delete(p.delSeen, pod.UID)
+	delete(p.delSeen, types.UID(SandboxUID(pod)))
 }
 
 // ForgetGone drops what the pipeline remembers of incarnations of the pod
@@ -407,9 +438,11 @@ func (p *Pipeline) isRelabelledOut(uid types.UID) bool {
 func (p *Pipeline) ForgetGone(key types.NamespacedName, live types.UID) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for uid, pod := range p.relabelledOut {
-		if pod == key && uid != live {
-			delete(p.relabelledOut, uid)
+	for _, m := range []map[types.UID]types.NamespacedName{p.relabelledOut, p.delSeen} {
+		for uid, pod := range m {
+			if pod == key && uid != live {
+				delete(m, uid)
+			}
 		}
 	}
 }
@@ -470,13 +503,16 @@ func (p *Pipeline) observeFailure(reason string) { p.cfg.Observer.Failed(reason)
 // live sandbox unredirected, while ignoring a real one only leaves the pod in
 // the table until its pod watch or the sandbox check removes it.
 func (p *Pipeline) Del(ctx context.Context, req *cnievent.Request) (cnievent.Outcome, error) {
-	// Its sandbox going away: nothing of a pod relabelled out while it
-	// drained is left to redirect.
-	p.setRelabelledOut(types.UID(req.PodUID), types.NamespacedName{}, false)
+	// A sandbox of the pod going away, whatever this DEL is taken for
+	// below: a pod relabelled out while it drains has nothing left to
+	// redirect once its DEL came.
+	key := types.NamespacedName{Namespace: req.PodNamespace, Name: req.PodName}
+	p.sawDel(types.UID(req.PodUID), key)
 	uid, ok := p.lookup(req)
 	if !ok {
 		return cnievent.NotEnrolled, nil
 	}
+	p.sawDel(uid, key)
 	defer p.lock(uid)()
 	e := p.entry(uid)
 	if e == nil {
@@ -760,7 +796,7 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 	}
 	e := p.entry(pod.UID)
 	switch {
-	case want && e == nil && pod.DeletionTimestamp != nil && h == nil && !restoring && !p.isRelabelledOut(pod.UID):
+	case want && e == nil && pod.DeletionTimestamp != nil && h == nil && !restoring && !p.mayRedirectAgain(pod):
 		// Being deleted and not in this agent's table: its sandbox's DEL
 		// has come (or it never ran redirected under this agent), and the
 		// kubelet gives a terminating pod no new sandbox. Nothing runs to
@@ -799,7 +835,7 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 			return err
 		}
 		if pod.DeletionTimestamp != nil && !finished {
-			p.setRelabelledOut(pod.UID, types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, true)
+			p.markRelabelledOut(pod)
 		}
 		return nil
 	case !want && (h != nil || restoring && annotated(pod)):

@@ -776,6 +776,27 @@ func TestTerminatingPodRelabelledBackIsRedirectedAgain(t *testing.T) {
 	if err := f.p.Reconcile(ctx, terminating); err != nil || f.p.IsEnrolled(pod.UID) || f.finder.calls.Load() != before {
 		t.Fatalf("after its DEL: reconcile %v, enrolled %v, netns searched %d times", err, f.p.IsEnrolled(pod.UID), f.finder.calls.Load()-before)
 	}
+
+	// A DEL that came before the label change (here one the table did not
+	// act on, naming another container) also ends it: no search.
+	other, osb := f.pod("mesh", "draining-2", nil), f.sandbox()
+	if out, err := f.add(other, osb, "c2"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	if out, err := f.p.Del(ctx, request(cnievent.Del, other, osb, "c-older")); err != nil || !f.p.IsEnrolled(other.UID) {
+		t.Fatalf("DEL of another container = %q, %v; enrolled %v", out, err, f.p.IsEnrolled(other.UID))
+	}
+	otherTerminating := f.running(other, osb)
+	otherTerminating.DeletionTimestamp = &now
+	otherOut := otherTerminating.DeepCopy()
+	otherOut.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneNone}
+	if err := f.p.Reconcile(ctx, otherOut); err != nil {
+		t.Fatal(err)
+	}
+	before = f.finder.calls.Load()
+	if err := f.p.Reconcile(ctx, otherTerminating); err != nil || f.p.IsEnrolled(other.UID) || f.finder.calls.Load() != before {
+		t.Fatalf("labelled back after a DEL: reconcile %v, enrolled %v, netns searched %d times", err, f.p.IsEnrolled(other.UID), f.finder.calls.Load()-before)
+	}
 }
 
 // A pod being deleted whose sandbox's DEL has come is done with: the
