@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"path/filepath"
 	"strings"
@@ -227,7 +228,11 @@ func TestDisallowedPeerIsRefused(t *testing.T) {
 
 func TestBusyServerQueuesThenRefusesAtTheTimeout(t *testing.T) {
 	h := &handler{outcome: cnievent.Redirected, block: make(chan struct{})}
-	path := start(t, h, func(c *cniserver.Config) { c.MaxConcurrent = 1; c.RequestTimeout = 2 * time.Second })
+	waiting := &waitLog{}
+	path := start(t, h, func(c *cniserver.Config) {
+		c.MaxConcurrent, c.RequestTimeout = 1, 2*time.Second
+		c.Logger = slog.New(slog.NewTextHandler(waiting, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	})
 	first := make(chan error, 1)
 	go func() {
 		_, err := send(t, path, validAdd())
@@ -243,7 +248,9 @@ func TestBusyServerQueuesThenRefusesAtTheTimeout(t *testing.T) {
 	if h.count() != 1 {
 		t.Fatalf("handler saw %d requests, want 1", h.count())
 	}
-	// One sent meanwhile waits, and is served once the slot frees up.
+	// One sent meanwhile waits (the server says so), and is served once
+	// the slot frees up.
+	before := waiting.count()
 	third := make(chan *cnievent.Response, 1)
 	go func() {
 		resp, err := send(t, path, validAdd())
@@ -252,6 +259,7 @@ func TestBusyServerQueuesThenRefusesAtTheTimeout(t *testing.T) {
 		}
 		third <- resp
 	}()
+	testkit.Eventually(t, 5*time.Second, "the third request waiting for a slot", func() bool { return waiting.count() > before })
 	close(h.block)
 	if err := <-first; err != nil {
 		t.Fatal(err)
@@ -259,4 +267,25 @@ func TestBusyServerQueuesThenRefusesAtTheTimeout(t *testing.T) {
 	if resp := <-third; resp.Outcome != cnievent.Redirected {
 		t.Fatalf("a request queued behind a finished one = %+v, want served", resp)
 	}
+}
+
+// waitLog counts the server's "waiting for a slot" lines.
+type waitLog struct {
+	mu sync.Mutex
+	n  int
+}
+
+func (w *waitLog) Write(p []byte) (int, error) {
+	if strings.Contains(string(p), "waiting for a slot") {
+		w.mu.Lock()
+		w.n++
+		w.mu.Unlock()
+	}
+	return len(p), nil
+}
+
+func (w *waitLog) count() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.n
 }
