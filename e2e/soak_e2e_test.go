@@ -50,8 +50,8 @@ import (
 //     the node's clock; the record's line is written before the Ack goes
 //     out, so a SIGKILL cannot lose it), or testapp found ztunnel's
 //     listeners bound in its netns before it ran. Both must hold, except
-//     that the stand-in process holding it, ended (SIGKILLed, or replaced:
-//     a later "start" in its record) between its ack and the end of the
+//     that the stand-in process holding it, ended (SIGKILLed, stopped, or
+//     replaced: a later "start" in its record) between its ack and the end of the
 //     app's read of them, takes the listeners along (as a ztunnel crash
 //     does; the pod stays redirected). No stand-in may close the workload
 //     (its record's "del") in that window unless the label flipped. Its
@@ -547,6 +547,9 @@ func (s *soak) fault(kind string, r *rand.Rand) error {
 	case "standin-upgrade":
 		// A new template: the DaemonSet starts the new stand-in (it
 		// connects; the agent sends it the snapshot), then stops the old.
+		// An old one the controller counts unavailable (NotReady for a
+		// moment after a kill or a kubelet restart) it deletes at once,
+		// before the new one runs: a ztunnel gap, judged as a kill.
 		s.revision++
 		patch := fmt.Sprintf(`{"spec":{"template":{"metadata":{"annotations":{"soak/revision":"%d"}}}}}`, s.revision)
 		if _, err := client.AppsV1().DaemonSets(chart.Namespace).Patch(s.ctx, "ztunnel-standin", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
@@ -927,7 +930,7 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, round *
 			return !constant
 		}
 		if listeners == "[]" && !s.standinGoneBetween(records, string(p.UID), id, ackedAt, readBy) && !flippedSinceAck() {
-			s.violate("enrolled %s: an Add was acknowledged for its netns %s at %s, yet ztunnel's listeners were not there at the app's start (%s to %s) and the stand-in holding it was neither killed nor restarted meanwhile; the stand-ins' record of uid %s:\n%s",
+			s.violate("enrolled %s: an Add was acknowledged for its netns %s at %s, yet ztunnel's listeners were not there at the app's start (%s to %s) and the stand-in holding it was neither killed, stopped nor restarted meanwhile; the stand-ins' record of uid %s:\n%s",
 				key, id, ackedAt.UTC().Format("15:04:05.000000"), appStart.UTC().Format("15:04:05.000000"), readBy.UTC().Format("15:04:05.000000"), p.UID, recordOf(records, string(p.UID)))
 		}
 		if at, ok := delBetween(records, string(p.UID), ackedAt, readBy); ok && !flippedSinceAck() {
@@ -962,8 +965,10 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, round *
 }
 
 // standinGoneBetween reports whether the stand-in process that acked uid's
-// Add in netns id ended within [from, to]: killed by the fault, or replaced
-// by a new process in its pod for any reason (a later "start" in the same
+// Add in netns id ended within [from, to]: killed by the fault, stopped (its
+// "stop": its pod deleted, which the DaemonSet controller does to an old
+// stand-in it counts unavailable before the new one runs), or replaced by a
+// new process in its pod for any reason (a later "start" in the same
 // record), which takes its listeners along. Another stand-in starting (an
 // upgrade's new one) excuses nothing: the old one still serves.
 func (s *soak) standinGoneBetween(records map[string][]ztunnel.RecordEntry, uid, id string, from, to time.Time) bool {
@@ -976,7 +981,7 @@ func (s *soak) standinGoneBetween(records map[string][]ztunnel.RecordEntry, uid,
 			switch {
 			case e.Event == "ack" && e.UID == uid && e.NetNS == id && !e.Time.After(to):
 				acked = true
-			case e.Event == "start" && acked && !e.Time.Before(from) && !e.Time.After(to):
+			case (e.Event == "start" || e.Event == "stop") && acked && !e.Time.Before(from) && !e.Time.After(to):
 				return true
 			}
 		}

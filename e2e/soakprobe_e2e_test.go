@@ -98,7 +98,7 @@ func ackedBefore(records map[string][]ztunnel.RecordEntry, uid, id string, t tim
 	return false
 }
 
-// recordOf is every stand-in's record about uid, plus their starts, in
+// recordOf is every stand-in's record about uid, plus their starts and stops, in
 // time order: what a violation report needs to be read without the files.
 func recordOf(records map[string][]ztunnel.RecordEntry, uid string) string {
 	type line struct {
@@ -108,7 +108,7 @@ func recordOf(records map[string][]ztunnel.RecordEntry, uid string) string {
 	var lines []line
 	for standin, es := range records {
 		for _, e := range es {
-			if e.UID == uid || e.Event == "start" {
+			if e.UID == uid || e.Event == "start" || e.Event == "stop" {
 				lines = append(lines, line{e.Time, fmt.Sprintf("  %s %s %s %s %s", e.Time.UTC().Format("15:04:05.000000"), standin, e.Event, e.Pod, e.NetNS)})
 			}
 		}
@@ -155,7 +155,7 @@ func standinWorkloads(es []ztunnel.RecordEntry) map[string]string {
 	ws := map[string]string{}
 	for _, e := range es {
 		switch e.Event {
-		case "start":
+		case "start", "stop":
 			ws = map[string]string{}
 		case "ack":
 			ws[e.UID] = e.NetNS

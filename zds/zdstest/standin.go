@@ -63,8 +63,9 @@ type Config struct {
 }
 
 // RecordEntry is one line of Config.Record. Event is "start" (a new
-// process: no workloads), "ack" (an Add acknowledged for UID in NetNS) or
-// "del" (the workload closed: a Del, or not named in a snapshot).
+// process: no workloads), "ack" (an Add acknowledged for UID in NetNS),
+// "del" (the workload closed: a Del, or not named in a snapshot) or "stop"
+// (Run ended, on SIGTERM in the command: every workload closes).
 type RecordEntry struct {
 	Time  time.Time `json:"time"`
 	Event string    `json:"event"`
@@ -132,7 +133,13 @@ func New(cfg Config) *Standin {
 // exponential backoff. Workloads outlive connections, as ztunnel's proxies
 // outlive an agent restart; Run's end closes them all.
 func (z *Standin) Run(ctx context.Context) error {
-	defer z.closeAll()
+	defer func() {
+		// Before the listeners close: a judge reading the record sees the
+		// stand-in go (its pod deleted, as an upgrade's old ztunnel is)
+		// no later than the pods lose them.
+		z.record(RecordEntry{Event: "stop"})
+		z.closeAll()
+	}()
 	z.record(RecordEntry{Event: "start"})
 	backoff := z.cfg.MinBackoff
 	for {

@@ -383,3 +383,26 @@ func TestStandinRecordsAcksAndRemovals(t *testing.T) {
 		return slices.Equal(got, want)
 	})
 }
+
+// A stand-in that stops (its pod deleted, as an upgrade deletes the old
+// ztunnel's) says so in its record: its listeners go with it, which a judge
+// must be able to tell from a stand-in that dropped a workload while it ran.
+func TestStandinRecordsItsStop(t *testing.T) {
+	pod := netnstest.New(t)
+	agent, path := newFakeAgent(t)
+	rec := &lockedBuffer{}
+	z := ztunnel.New(ztunnel.Config{SocketPath: path, Record: rec, MinBackoff: 5 * time.Millisecond, MaxBackoff: 20 * time.Millisecond})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { z.Run(ctx); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	c := agent.accept()
+	c.request(add("a"), openFD(t, pod.Path))
+	c.request(snapshotSent)
+	cancel()
+	<-done
+	got := rec.events()
+	if len(got) != 3 || got[0] != "start" || !strings.HasPrefix(got[1], "ack a ") || got[2] != "stop" {
+		t.Fatalf("record %q, want start, the ack of a, stop", got)
+	}
+}
