@@ -5,6 +5,7 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -55,7 +56,52 @@ func newChartNode(ctx context.Context, t *testing.T, root string) *chartNode {
 		}
 	}
 	t.Cleanup(func() { c.target.Helm(context.Background(), repo, "uninstall", chart.Release, "-n", chart.Namespace) })
+	// Before the uninstall: a test that failed because the agent went away
+	// mid-run (metrics refused, a fault it did not recover from) needs to
+	// know why, and the pod's record goes with the uninstall.
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("the agent pods at the failure:\n%s", c.agentPodsReport())
+		}
+	})
 	return c
+}
+
+// agentPodsReport is each agent pod's restarts and last termination, and
+// the tail of its previous container's log when it restarted.
+func (c *chartNode) agentPodsReport() string {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	pods, err := c.Client.CoreV1().Pods(chart.Namespace).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=agent"})
+	if err != nil {
+		return fmt.Sprintf("  list: %v", err)
+	}
+	var b strings.Builder
+	for _, p := range pods.Items {
+		fmt.Fprintf(&b, "  %s (uid %s) phase %s\n", p.Name, p.UID, p.Status.Phase)
+		for _, s := range p.Status.ContainerStatuses {
+			fmt.Fprintf(&b, "    container %s ready=%v restarts=%d", s.Name, s.Ready, s.RestartCount)
+			if t := s.LastTerminationState.Terminated; t != nil {
+				fmt.Fprintf(&b, " last terminated: %s exit %d signal %d at %s %s", t.Reason, t.ExitCode, t.Signal, t.FinishedAt.UTC().Format(time.RFC3339), t.Message)
+			}
+			b.WriteString("\n")
+			if s.RestartCount == 0 {
+				continue
+			}
+			// The kubelet keeps the previous container's log next to the
+			// current one: /var/log/pods/<ns>_<pod>_<uid>/<container>/<n>.log.
+			prev := filepath.Join("/var/log/pods", fmt.Sprintf("%s_%s_%s", p.Namespace, p.Name, p.UID), s.Name, fmt.Sprintf("%d.log", s.RestartCount-1))
+			data, err := os.ReadFile(prev)
+			if err != nil {
+				fmt.Fprintf(&b, "    previous log: %v\n", err)
+				continue
+			}
+			lines := strings.Split(strings.TrimSpace(string(data)), "\n")
+			lines = lines[max(0, len(lines)-25):]
+			fmt.Fprintf(&b, "    previous log's last lines:\n      %s\n", strings.Join(lines, "\n      "))
+		}
+	}
+	return b.String()
 }
 
 // install installs or upgrades the chart with the node's values plus extra.
