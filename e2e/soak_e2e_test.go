@@ -9,6 +9,7 @@ import (
 	"math/rand"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -50,10 +51,11 @@ import (
 //     the node's clock; the record's line is written before the Ack goes
 //     out, so a SIGKILL cannot lose it), or testapp found ztunnel's
 //     listeners bound in its netns before it ran. Both must hold, except
-//     that the stand-in process holding it, ended (SIGKILLed, stopped, or
-//     replaced: a later "start" in its record) between its ack and the end of the
-//     app's read of them, takes the listeners along (as a ztunnel crash
-//     does; the pod stays redirected). No stand-in may close the workload
+//     that a moment between its ack and the end of the app's read of them
+//     when no stand-in process held it (the one that did SIGKILLed,
+//     stopped, or replaced: a later "start" in its record; no other one
+//     acked it yet) takes the listeners along (as a ztunnel crash does;
+//     the pod stays redirected). No stand-in may close the workload
 //     (its record's "del") in that window unless the label flipped. Its
 //     current netns must
 //     hold the redirection rules (unless its namespace's label changed
@@ -930,7 +932,7 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, round *
 			return !constant
 		}
 		if listeners == "[]" && !s.standinGoneBetween(records, string(p.UID), id, ackedAt, readBy) && !flippedSinceAck() {
-			s.violate("enrolled %s: an Add was acknowledged for its netns %s at %s, yet ztunnel's listeners were not there at the app's start (%s to %s) and the stand-in holding it was neither killed, stopped nor restarted meanwhile; the stand-ins' record of uid %s:\n%s",
+			s.violate("enrolled %s: an Add was acknowledged for its netns %s at %s, yet ztunnel's listeners were not there at the app's start (%s to %s) and a stand-in held it throughout (none killed, stopped or restarted with no other holding it); the stand-ins' record of uid %s:\n%s",
 				key, id, ackedAt.UTC().Format("15:04:05.000000"), appStart.UTC().Format("15:04:05.000000"), readBy.UTC().Format("15:04:05.000000"), p.UID, recordOf(records, string(p.UID)))
 		}
 		if at, ok := delBetween(records, string(p.UID), ackedAt, readBy); ok && !flippedSinceAck() {
@@ -964,29 +966,58 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, round *
 	}
 }
 
-// standinGoneBetween reports whether the stand-in process that acked uid's
-// Add in netns id ended within [from, to]: killed by the fault, stopped (its
-// "stop": its pod deleted, which the DaemonSet controller does to an old
-// stand-in it counts unavailable before the new one runs), or replaced by a
-// new process in its pod for any reason (a later "start" in the same
-// record), which takes its listeners along. Another stand-in starting (an
-// upgrade's new one) excuses nothing: the old one still serves.
+// standinGoneBetween reports whether, at some moment within [from, to], no
+// stand-in process held uid's workload in netns id: every ack of it was
+// ended in its own record by the process ending (a "stop": its pod deleted,
+// which the DaemonSet controller does to an old stand-in it counts
+// unavailable before the new one runs; or a later "start": a new process in
+// the same pod) or by a "del", and no other stand-in held it then; or a
+// stand-in-kill fault struck in the window. Such a gap takes the listeners
+// along, as a ztunnel crash does. A stand-in that ends while another one
+// still holds the workload (an upgrade's old one after the new one got the
+// snapshot) excuses nothing.
 func (s *soak) standinGoneBetween(records map[string][]ztunnel.RecordEntry, uid, id string, from, to time.Time) bool {
 	if s.standinKilledBetween(from, to) {
 		return true
 	}
+	return heldGap(records, uid, id, from, to)
+}
+
+// heldGap reports whether the times the stand-ins held uid's workload in
+// netns id (from an ack to the next start, stop or del in the same record)
+// leave a moment within [from, to] uncovered.
+func heldGap(records map[string][]ztunnel.RecordEntry, uid, id string, from, to time.Time) bool {
+	type span struct{ from, to time.Time } // to zero: still held
+	var held []span
 	for _, es := range records {
-		acked := false
+		open := -1
 		for _, e := range es {
 			switch {
-			case e.Event == "ack" && e.UID == uid && e.NetNS == id && !e.Time.After(to):
-				acked = true
-			case (e.Event == "start" || e.Event == "stop") && acked && !e.Time.Before(from) && !e.Time.After(to):
-				return true
+			case e.Event == "ack" && e.UID == uid && e.NetNS == id:
+				if open < 0 {
+					held = append(held, span{from: e.Time})
+					open = len(held) - 1
+				}
+			case open >= 0 && (e.Event == "start" || e.Event == "stop" || (e.Event == "del" && e.UID == uid)):
+				held[open].to = e.Time
+				open = -1
 			}
 		}
 	}
-	return false
+	slices.SortFunc(held, func(a, b span) int { return a.from.Compare(b.from) })
+	covered := from // held without a gap from `from` up to here
+	for _, h := range held {
+		if h.from.After(covered) {
+			break
+		}
+		if h.to.IsZero() {
+			return false
+		}
+		if h.to.After(covered) {
+			covered = h.to
+		}
+	}
+	return !covered.After(to)
 }
 
 // standinKilledBetween reports whether a stand-in-kill fault struck within
