@@ -732,6 +732,17 @@ func TestReconcileScansProcfsOnlyWhenTheSandboxMayHaveChanged(t *testing.T) {
 	}
 }
 
+// drainingRelabelledOut is pod as the API shows it terminating in sb, and
+// the same pod with its label taking it out of the mesh.
+func (f *fixture) drainingRelabelledOut(pod *corev1.Pod, sb sandbox) (terminating, out *corev1.Pod) {
+	now := metav1.Now()
+	terminating = f.running(pod, sb)
+	terminating.DeletionTimestamp = &now
+	out = terminating.DeepCopy()
+	out.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneNone}
+	return terminating, out
+}
+
 // A pod that a label change took out of the mesh while it drained, and
 // that is labelled back before it ends, still runs in its sandbox: it is
 // redirected again. Its sandbox's DEL ends that (nothing left to redirect).
@@ -745,11 +756,7 @@ func TestTerminatingPodRelabelledBackIsRedirectedAgain(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
 	defer cancel()
-	now := metav1.Now()
-	terminating := f.running(pod, sb)
-	terminating.DeletionTimestamp = &now
-	out := terminating.DeepCopy()
-	out.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneNone}
+	terminating, out := f.drainingRelabelledOut(pod, sb)
 	if err := f.p.Reconcile(ctx, out); err != nil {
 		t.Fatal(err)
 	}
@@ -786,10 +793,7 @@ func TestTerminatingPodRelabelledBackIsRedirectedAgain(t *testing.T) {
 	if out, err := f.p.Del(ctx, request(cnievent.Del, other, osb, "c-older")); err != nil || !f.p.IsEnrolled(other.UID) {
 		t.Fatalf("DEL of another container = %q, %v; enrolled %v", out, err, f.p.IsEnrolled(other.UID))
 	}
-	otherTerminating := f.running(other, osb)
-	otherTerminating.DeletionTimestamp = &now
-	otherOut := otherTerminating.DeepCopy()
-	otherOut.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneNone}
+	otherTerminating, otherOut := f.drainingRelabelledOut(other, osb)
 	if err := f.p.Reconcile(ctx, otherOut); err != nil {
 		t.Fatal(err)
 	}
