@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -140,7 +141,11 @@ func (t Target) Install(ctx context.Context, repo, tag string, extra ...string) 
 // netns and answers with the original destination; it proxies nothing).
 // Like ztunnel it runs as root (the agent accepts only root peers), with
 // SYS_ADMIN to enter pod netns from the fds it receives and NET_ADMIN to
-// mark its sockets (SO_MARK 0x539, exempt from redirection).
+// mark its sockets (SO_MARK 0x539, exempt from redirection). Like Istio's
+// ztunnel chart it is node-critical with a CPU request: the agent gives
+// each Add 5 s for ztunnel's ack, and a BestEffort peer (cpu.shares 2,
+// level with every BestEffort app pod) starved by a burst of pod start-ups
+// misses that, which fails the burst's ADDs and tests nothing of inpod.
 func StandIn(tag, zdsSocket string) *appsv1.DaemonSet {
 	labels := map[string]string{"app.kubernetes.io/name": "ztunnel-standin", "app.kubernetes.io/part-of": "inpod"}
 	root := int64(0)
@@ -154,6 +159,7 @@ func StandIn(tag, zdsSocket string) *appsv1.DaemonSet {
 				ObjectMeta: metav1.ObjectMeta{Labels: labels},
 				Spec: corev1.PodSpec{
 					TerminationGracePeriodSeconds: &grace,
+					PriorityClassName:             "system-node-critical",
 					Tolerations:                   []corev1.Toleration{{Operator: corev1.TolerationOpExists}},
 					Containers: []corev1.Container{{
 						Name: "ztunnel-standin", Image: images.StandInRepository + ":" + tag, ImagePullPolicy: corev1.PullNever,
@@ -163,6 +169,8 @@ func StandIn(tag, zdsSocket string) *appsv1.DaemonSet {
 						},
 						Env:          []corev1.EnvVar{{Name: "INPOD_UDS", Value: zdsSocket}},
 						VolumeMounts: []corev1.VolumeMount{{Name: "zds", MountPath: filepath.Dir(zdsSocket)}},
+						Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{
+							corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("32Mi")}},
 					}},
 					Volumes: []corev1.Volume{{Name: "zds", VolumeSource: corev1.VolumeSource{
 						HostPath: &corev1.HostPathVolumeSource{Path: filepath.Dir(zdsSocket), Type: &hostDir}}}},
