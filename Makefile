@@ -120,8 +120,12 @@ test-integration: deps ## TestIntegration* against a real etcd + kube-apiserver
 # its set-up and checks): hence more than 30 minutes for the tier.
 # Under the same lock as make soak, make bench and make demo: they all use
 # the host's fixed kubelet and CNI paths, so a second run waits its turn.
+# On failure the failed tests' own lines are printed again at the end.
+E2E_LOG := $(BIN)/test-e2e.log
 test-e2e: deps ## TestE2E* on a real single node (kubelet, containerd)
-	$(K8S_ENV) flock /tmp/inpod-e2e.lock $(GO) test -p 1 -count=1 -timeout 60m -tags e2e -run '^TestE2E' $(call tagged_pkgs,e2e)
+	@mkdir -p $(BIN)
+	set -o pipefail; $(K8S_ENV) flock /tmp/inpod-e2e.lock $(GO) test -p 1 -count=1 -timeout 60m -tags e2e -run '^TestE2E' $(call tagged_pkgs,e2e) 2>&1 | tee $(E2E_LOG) \
+	  || { hack/failure-recap.sh $(E2E_LOG); exit 1; }
 
 # The long soak: INPOD_SOAK_DURATION of churn and faults on the real node,
 # continued until 500 pods were created (about 20 a minute on a loaded
