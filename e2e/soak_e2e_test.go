@@ -1070,7 +1070,18 @@ func (s *soak) listenersAtStart(p *corev1.Pod) (listeners string, began, readBy 
 // outside again: an enrolled one's current netns has the rules and the
 // current stand-in runs it in that netns; another's has no inpod rules.
 func (s *soak) checkLive() {
-	current := s.currentStandin()
+	// A stand-in upgrade near the end may still be handing over: wait for
+	// its old pod to go rather than judge the pods by either one.
+	var current map[string]string
+	if err := testkit.Poll(2*time.Minute, "exactly one stand-in pod, not terminating", func() (bool, error) {
+		ws, err := s.currentStandin()
+		current = ws
+		return err == nil, nil
+	}); err != nil {
+		_, why := s.currentStandin()
+		s.violate("%v: %v", err, why)
+		return
+	}
 	byIP := netnsByIP()
 	s.mu.Lock()
 	var live []*soakPod
@@ -1106,14 +1117,22 @@ func (s *soak) checkLive() {
 	}
 }
 
-// currentStandin is the running stand-in's workloads from its record.
-func (s *soak) currentStandin() map[string]string {
+// currentStandin is the running stand-in's workloads from its record, or
+// an error while there is not exactly one stand-in pod, not terminating:
+// the callers poll it (an upgrade's old pod takes a while to go).
+func (s *soak) currentStandin() (map[string]string, error) {
 	l, err := s.c.Client.CoreV1().Pods(chart.Namespace).List(s.ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=ztunnel-standin"})
-	if err != nil || len(l.Items) != 1 {
-		s.violate("not exactly one stand-in pod at the end (%v)", err)
-		return nil
+	if err != nil {
+		return nil, err
 	}
-	return standinWorkloads(standinRecords(s.recordDir)[l.Items[0].Name])
+	if len(l.Items) != 1 || l.Items[0].DeletionTimestamp != nil {
+		var pods []string
+		for _, p := range l.Items {
+			pods = append(pods, podSummary(&p))
+		}
+		return nil, fmt.Errorf("not exactly one stand-in pod, not terminating: %v", pods)
+	}
+	return standinWorkloads(standinRecords(s.recordDir)[l.Items[0].Name]), nil
 }
 
 // drainAndCheckLeaks deletes every soak pod and waits (a settle poll) until
@@ -1134,7 +1153,9 @@ func (s *soak) drainAndCheckLeaks(base measurement) []string {
 		if n := agentMetric(agentMetricsPort, "inpod_enrolled_pods"); n != 0 {
 			leaks = append(leaks, fmt.Sprintf("the agent holds %v pods as enrolled", n))
 		}
-		if ws := s.currentStandin(); len(ws) != 0 {
+		if ws, err := s.currentStandin(); err != nil {
+			leaks = append(leaks, err.Error())
+		} else if len(ws) != 0 {
 			leaks = append(leaks, fmt.Sprintf("the stand-in runs %d workloads: %v", len(ws), ws))
 		}
 		m, err := s.measureNow()
