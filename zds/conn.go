@@ -271,15 +271,19 @@ func (c *conn) await(stop <-chan struct{}, r *request, ackc chan *zdspb.Ack, tim
 	select {
 	case ack := <-ackc:
 		timer.Stop()
-		if ack.GetError() != "" {
-			return true, &AckError{Op: r.op, UID: r.uid, Msg: ack.GetError()}
-		}
-		return true, nil
+		return true, ackResult(r, ack)
 	case <-c.done:
 		timer.Stop()
 		c.settle()
 		return true, fmt.Errorf("%w (%s of pod %s): %v", ErrConnectionClosed, r.op, r.uid, c.closeReason())
 	case <-timer.C:
+		// An agent descheduled past the deadline wakes with both ready,
+		// and select picks at random: an Ack already read is in time.
+		select {
+		case ack := <-ackc:
+			return true, ackResult(r, ack)
+		default:
+		}
 		err := fmt.Errorf("%w after %s (%s of pod %s); connection closed", ErrAckTimeout, c.ackTimeout, r.op, r.uid)
 		c.fail(err)
 		c.settle()
@@ -287,6 +291,13 @@ func (c *conn) await(stop <-chan struct{}, r *request, ackc chan *zdspb.Ack, tim
 	case <-stop:
 		return false, nil
 	}
+}
+
+func ackResult(r *request, ack *zdspb.Ack) error {
+	if ack.GetError() != "" {
+		return &AckError{Op: r.op, UID: r.uid, Msg: ack.GetError()}
+	}
+	return nil
 }
 
 func (c *conn) write(r *request) error {
