@@ -20,6 +20,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/inpod-dev/inpod/agent/cniserver"
+	"github.com/inpod-dev/inpod/cnievent"
 	"github.com/inpod-dev/inpod/internal/benchreport"
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
@@ -89,9 +90,13 @@ func TestE2ELoad100(t *testing.T) {
 		sandboxFailures = append(sandboxFailures, f)
 		// Only the plugin's own failure is the agent's: a bare CRI
 		// DeadlineExceeded is the kubelet giving up on the runtime (its
-		// 2-minute runtime-request-timeout, past the agent's own).
-		if agentsShare := strings.Contains(e.Message, `type="inpod-cni" failed`); agentsShare &&
-			(strings.Contains(e.Message, "agent busy") || strings.Contains(e.Message, "deadline exceeded")) {
+		// 2-minute runtime-request-timeout, past the agent's own). The
+		// agent refuses with "agent busy" or times out inside ("deadline
+		// exceeded"); the plugin gives up on an agent that did not answer
+		// at all with cnievent.ErrUnreachable.
+		if agentsShare := strings.Contains(e.Message, `type="inpod-cni"`); agentsShare &&
+			(strings.Contains(e.Message, "agent busy") || strings.Contains(e.Message, "deadline exceeded") ||
+				strings.Contains(e.Message, cnievent.ErrUnreachable.Error())) {
 			timedOut = append(timedOut, f)
 		}
 	}
