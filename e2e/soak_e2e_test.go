@@ -313,7 +313,7 @@ func (s *soak) standInUp(t *testing.T) {
 
 // recovered waits until the node serves again after a fault: the API
 // answers, the Node is Ready, the agent reports ready, and exactly one
-// stand-in pod runs.
+// stand-in pod runs, not terminating.
 func (s *soak) recovered(timeout time.Duration) error {
 	return testkit.Poll(timeout, "the node recovered (API, Node Ready, agent ready, one stand-in)", func() (bool, error) {
 		if s.ctx.Err() != nil {
@@ -323,7 +323,7 @@ func (s *soak) recovered(timeout time.Duration) error {
 			return false, nil
 		}
 		l, err := s.c.Client.CoreV1().Pods(chart.Namespace).List(s.ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=ztunnel-standin"})
-		return err == nil && len(l.Items) == 1, nil
+		return err == nil && len(l.Items) == 1 && l.Items[0].DeletionTimestamp == nil, nil
 	})
 }
 
@@ -648,6 +648,7 @@ const allocatableLag = 30 * time.Second
 func (s *soak) sampleReadiness(ctx context.Context) {
 	tick := time.NewTicker(500 * time.Millisecond)
 	defer tick.Stop()
+	var reported time.Time // the not-ready run already reported: one violation per run
 	for i := 0; ; i++ {
 		select {
 		case <-ctx.Done():
@@ -662,7 +663,8 @@ func (s *soak) sampleReadiness(ctx context.Context) {
 			continue
 		}
 		if a := allocatable(ctx, s.c.Node, gateResource); a > 0 {
-			if since, ok := s.notReadySince(time.Now()); ok && time.Since(since) > allocatableLag {
+			if since, ok := s.notReadySince(time.Now()); ok && time.Since(since) > allocatableLag && !since.Equal(reported) {
+				reported = since
 				s.violate("the Node offers %s=%d while the agent has been not ready since %s (%s)", gateResource, a,
 					since.UTC().Format("15:04:05.000"), time.Since(since).Round(time.Millisecond))
 			}
@@ -1069,20 +1071,10 @@ func (s *soak) listenersAtStart(p *corev1.Pod) (listeners string, began, readBy 
 // checkLive checks, after the churn, every judged pod still running from
 // outside again: an enrolled one's current netns has the rules and the
 // current stand-in runs it in that netns; another's has no inpod rules.
+// A stand-in upgrade near the end may still be handing over (its old pod
+// terminating, the new one's snapshot not acked yet), so the check is
+// polled until it holds and only its last mismatches are violations.
 func (s *soak) checkLive() {
-	// A stand-in upgrade near the end may still be handing over: wait for
-	// its old pod to go rather than judge the pods by either one.
-	var current map[string]string
-	if err := testkit.Poll(2*time.Minute, "exactly one stand-in pod, not terminating", func() (bool, error) {
-		ws, err := s.currentStandin()
-		current = ws
-		return err == nil, nil
-	}); err != nil {
-		_, why := s.currentStandin()
-		s.violate("%v: %v", err, why)
-		return
-	}
-	byIP := netnsByIP()
 	s.mu.Lock()
 	var live []*soakPod
 	for _, p := range s.pods {
@@ -1091,30 +1083,50 @@ func (s *soak) checkLive() {
 		}
 	}
 	s.mu.Unlock()
+	var mismatches []string
+	err := testkit.Poll(2*time.Minute, "every live pod as judged, by the one stand-in", func() (bool, error) {
+		mismatches = s.liveMismatches(live)
+		return len(mismatches) == 0, nil
+	})
+	if err != nil {
+		for _, m := range mismatches {
+			s.violate("%s", m)
+		}
+	}
+}
+
+func (s *soak) liveMismatches(live []*soakPod) []string {
+	var out []string
+	current, err := s.currentStandin()
+	if err != nil {
+		out = append(out, err.Error())
+	}
+	byIP := netnsByIP()
 	for _, p := range live {
 		if _, unchanged := s.labelledOver(p.ns, p.created.Add(-2*time.Second), time.Now()); !unchanged {
 			continue
 		}
 		name, ok := byIP[p.ip]
 		if !ok {
-			s.violate("%s/%s: no netns holds its address %s", p.ns, p.name, p.ip)
+			out = append(out, fmt.Sprintf("%s/%s: no netns holds its address %s", p.ns, p.name, p.ip))
 			continue
 		}
 		rules, id, err := netnsRules(name)
 		if err != nil {
-			s.violate("%s/%s: %v", p.ns, p.name, err)
+			out = append(out, fmt.Sprintf("%s/%s: %v", p.ns, p.name, err))
 			continue
 		}
 		redirected := strings.Contains(rules, "15001") && strings.Contains(rules, "15006")
 		switch {
 		case !p.enrolled && (strings.Contains(rules, "15001") || strings.Contains(rules, "15006")):
-			s.violate("%s/%s outside the mesh at the end: its netns %s has inpod's rules", p.ns, p.name, name)
+			out = append(out, fmt.Sprintf("%s/%s outside the mesh at the end: its netns %s has inpod's rules", p.ns, p.name, name))
 		case p.enrolled && !redirected:
-			s.violate("enrolled %s/%s at the end: its netns %s has no redirection rules", p.ns, p.name, name)
-		case p.enrolled && current[p.uid] != id:
-			s.violate("enrolled %s/%s at the end: the current stand-in runs it in netns %q, the pod is in %s", p.ns, p.name, current[p.uid], id)
+			out = append(out, fmt.Sprintf("enrolled %s/%s at the end: its netns %s has no redirection rules", p.ns, p.name, name))
+		case p.enrolled && current != nil && current[p.uid] != id:
+			out = append(out, fmt.Sprintf("enrolled %s/%s at the end: the current stand-in runs it in netns %q, the pod is in %s", p.ns, p.name, current[p.uid], id))
 		}
 	}
+	return out
 }
 
 // currentStandin is the running stand-in's workloads from its record, or
