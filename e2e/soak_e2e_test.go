@@ -928,7 +928,7 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, round *
 		// redirected, its traffic waits for the next ztunnel. A label
 		// flip in between takes the pod out of the mesh again (its Del
 		// closes the listeners): either outcome is right then.
-		ackedAt := firstAck(records, string(p.UID), id)
+		ackedAt := holdingAck(records, string(p.UID), id, appStart)
 		flippedSinceAck := func() bool {
 			_, constant := s.labelledOver(sp.ns, ackedAt, readBy)
 			return !constant

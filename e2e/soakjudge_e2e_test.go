@@ -50,3 +50,36 @@ func TestE2ESoakJudgeHeldGap(t *testing.T) {
 		}
 	}
 }
+
+// A Del judged against the ack the app started under: a sandbox torn down
+// after its ADD and created again (same netns inode number, reused) is
+// held again before the app's start; one deleted after that ack is not.
+func TestE2ESoakJudgeDelAfterTheHoldingAck(t *testing.T) {
+	at := func(ms int) time.Time { return time.Unix(1000, int64(ms)*int64(time.Millisecond)) }
+	ack := func(ms int) ztunnel.RecordEntry {
+		return ztunnel.RecordEntry{Time: at(ms), Event: "ack", UID: "u", NetNS: "4:1"}
+	}
+	del := func(ms int) ztunnel.RecordEntry { return ztunnel.RecordEntry{Time: at(ms), Event: "del", UID: "u"} }
+	start := ztunnel.RecordEntry{Time: at(0), Event: "start"}
+	appStart, readBy := at(8000), at(8100)
+	cases := []struct {
+		name    string
+		records []ztunnel.RecordEntry
+		lost    bool
+	}{
+		// The CI case: ADD acked, kubelet restart, the runtime's DEL 3 s
+		// later, the new sandbox's ADD acked, the app started after.
+		{"recreated sandbox, re-acked before the app's start", []ztunnel.RecordEntry{start, ack(100), del(3000), ack(4300)}, false},
+		{"deleted after the ack, not re-acked", []ztunnel.RecordEntry{start, ack(100), del(3000)}, true},
+		{"deleted during the app's read", []ztunnel.RecordEntry{start, ack(100), del(8050)}, true},
+		{"re-acked only after the app's start", []ztunnel.RecordEntry{start, ack(100), del(3000), ack(8050)}, true},
+		{"held throughout", []ztunnel.RecordEntry{start, ack(100)}, false},
+	}
+	for _, c := range cases {
+		records := map[string][]ztunnel.RecordEntry{"a": c.records}
+		anchor := holdingAck(records, "u", "4:1", appStart)
+		if _, lost := delBetween(records, "u", anchor, readBy); lost != c.lost {
+			t.Errorf("%s: a Del after the holding ack (%s) %v, want %v", c.name, anchor.Format("05.000"), lost, c.lost)
+		}
+	}
+}

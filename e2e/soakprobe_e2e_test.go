@@ -149,6 +149,28 @@ func firstAck(records map[string][]ztunnel.RecordEntry, uid, id string) time.Tim
 	return first
 }
 
+// holdingAck is the ack the app's start ran under: the last ack of uid in
+// the netns id at or before appStart, else (the record written after the
+// app's read, a known limit) the first one. Not simply the first: a netns
+// inode number is reused at once, so a sandbox the runtime tore down (a
+// kubelet restart mid-RunPodSandbox: its ADD acked, then its DEL) and the
+// one created again for the pod show the same id, and the first sandbox's
+// Del is no loss for an app that started under the second one's ack.
+func holdingAck(records map[string][]ztunnel.RecordEntry, uid, id string, appStart time.Time) time.Time {
+	var last time.Time
+	for _, es := range records {
+		for _, e := range es {
+			if e.Event == "ack" && e.UID == uid && e.NetNS == id && !e.Time.After(appStart) && e.Time.After(last) {
+				last = e.Time
+			}
+		}
+	}
+	if last.IsZero() {
+		return firstAck(records, uid, id)
+	}
+	return last
+}
+
 // standinWorkloads replays one stand-in's record: its workloads now (uid →
 // netns), from its last start.
 func standinWorkloads(es []ztunnel.RecordEntry) map[string]string {
