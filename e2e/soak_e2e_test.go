@@ -881,9 +881,13 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, round *
 	if err != nil {
 		return // the API down: next round
 	}
+	// holdCutoff bounds the ack the app's start ran under from below the
+	// real start: without the app's own lines, StartedAt+1s is above it.
+	holdCutoff := appStart
 	if appStart.IsZero() || readBy.IsZero() {
 		appStart = started.Add(time.Second) // StartedAt is to the second
 		readBy = appStart
+		holdCutoff = started
 	}
 	name, ok := byIP[p.Status.PodIP]
 	if !ok {
@@ -928,9 +932,10 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, round *
 		// redirected, its traffic waits for the next ztunnel. A label
 		// flip in between takes the pod out of the mesh again (its Del
 		// closes the listeners): either outcome is right then.
-		ackedAt := holdingAck(records, string(p.UID), id, appStart)
+		ackedAt := holdingAck(records, string(p.UID), id, holdCutoff)
+		// A flip since the first ack: its Del may land after a later one.
 		flippedSinceAck := func() bool {
-			_, constant := s.labelledOver(sp.ns, ackedAt, readBy)
+			_, constant := s.labelledOver(sp.ns, firstAck(records, string(p.UID), id), readBy)
 			return !constant
 		}
 		if listeners == "[]" && !s.standinGoneBetween(records, string(p.UID), id, ackedAt, readBy) && !flippedSinceAck() {
