@@ -1076,9 +1076,10 @@ func (s *soak) listenersAtStart(p *corev1.Pod) (listeners string, began, readBy 
 // checkLive checks, after the churn, every judged pod still running from
 // outside again: an enrolled one's current netns has the rules and the
 // current stand-in runs it in that netns; another's has no inpod rules.
-// A stand-in upgrade near the end may still be handing over (its old pod
-// terminating, the new one's snapshot not acked yet), so the check is
-// polled until it holds and only its last mismatches are violations.
+// The rules are read once: a rule missing now is a violation even if the
+// agent repaired it later. Only the stand-in's side is polled: an upgrade
+// near the end may still be handing over (its old pod terminating, the new
+// one's snapshot not acked yet), and only its last mismatches count.
 func (s *soak) checkLive() {
 	s.mu.Lock()
 	var live []*soakPod
@@ -1088,9 +1089,45 @@ func (s *soak) checkLive() {
 		}
 	}
 	s.mu.Unlock()
+	byIP := netnsByIP()
+	heldIn := map[*soakPod]string{} // enrolled and redirected: the netns the stand-in must run it in
+	for _, p := range live {
+		if _, unchanged := s.labelledOver(p.ns, p.created.Add(-2*time.Second), time.Now()); !unchanged {
+			continue
+		}
+		name, ok := byIP[p.ip]
+		if !ok {
+			s.violate("%s/%s: no netns holds its address %s", p.ns, p.name, p.ip)
+			continue
+		}
+		rules, id, err := netnsRules(name)
+		if err != nil {
+			s.violate("%s/%s: %v", p.ns, p.name, err)
+			continue
+		}
+		redirected := strings.Contains(rules, "15001") && strings.Contains(rules, "15006")
+		switch {
+		case !p.enrolled && (strings.Contains(rules, "15001") || strings.Contains(rules, "15006")):
+			s.violate("%s/%s outside the mesh at the end: its netns %s has inpod's rules", p.ns, p.name, name)
+		case p.enrolled && !redirected:
+			s.violate("enrolled %s/%s at the end: its netns %s has no redirection rules", p.ns, p.name, name)
+		case p.enrolled:
+			heldIn[p] = id
+		}
+	}
 	var mismatches []string
-	err := testkit.Poll(2*time.Minute, "every live pod as judged, by the one stand-in", func() (bool, error) {
-		mismatches = s.liveMismatches(live)
+	err := testkit.Poll(2*time.Minute, "the one stand-in running every enrolled pod in its netns", func() (bool, error) {
+		mismatches = nil
+		current, err := s.currentStandin()
+		if err != nil {
+			mismatches = append(mismatches, err.Error())
+			return false, nil
+		}
+		for p, id := range heldIn {
+			if current[p.uid] != id {
+				mismatches = append(mismatches, fmt.Sprintf("enrolled %s/%s at the end: the current stand-in runs it in netns %q, the pod is in %s", p.ns, p.name, current[p.uid], id))
+			}
+		}
 		return len(mismatches) == 0, nil
 	})
 	if err != nil {
@@ -1098,40 +1135,6 @@ func (s *soak) checkLive() {
 			s.violate("%s", m)
 		}
 	}
-}
-
-func (s *soak) liveMismatches(live []*soakPod) []string {
-	var out []string
-	current, err := s.currentStandin()
-	if err != nil {
-		out = append(out, err.Error())
-	}
-	byIP := netnsByIP()
-	for _, p := range live {
-		if _, unchanged := s.labelledOver(p.ns, p.created.Add(-2*time.Second), time.Now()); !unchanged {
-			continue
-		}
-		name, ok := byIP[p.ip]
-		if !ok {
-			out = append(out, fmt.Sprintf("%s/%s: no netns holds its address %s", p.ns, p.name, p.ip))
-			continue
-		}
-		rules, id, err := netnsRules(name)
-		if err != nil {
-			out = append(out, fmt.Sprintf("%s/%s: %v", p.ns, p.name, err))
-			continue
-		}
-		redirected := strings.Contains(rules, "15001") && strings.Contains(rules, "15006")
-		switch {
-		case !p.enrolled && (strings.Contains(rules, "15001") || strings.Contains(rules, "15006")):
-			out = append(out, fmt.Sprintf("%s/%s outside the mesh at the end: its netns %s has inpod's rules", p.ns, p.name, name))
-		case p.enrolled && !redirected:
-			out = append(out, fmt.Sprintf("enrolled %s/%s at the end: its netns %s has no redirection rules", p.ns, p.name, name))
-		case p.enrolled && current != nil && current[p.uid] != id:
-			out = append(out, fmt.Sprintf("enrolled %s/%s at the end: the current stand-in runs it in netns %q, the pod is in %s", p.ns, p.name, current[p.uid], id))
-		}
-	}
-	return out
 }
 
 // currentStandin is the running stand-in's workloads from its record, or
