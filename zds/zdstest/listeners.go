@@ -74,7 +74,7 @@ func (z *Standin) ports() []int {
 // listen binds the workload's listeners inside its netns, on the session's
 // thread: each a socket marked and bound as ztunnel's, listening before the
 // Ack goes out. Only the system calls that make the sockets are on the Ack's
-// path; serveAll wraps each in a net.Listener afterwards.
+// path; serveAll hands the TCP ones to the acceptor afterwards.
 func (z *Standin) listen(sw *nsSwitch, w *workload) error {
 	return sw.in(w.netns, func() error {
 		for _, port := range z.ports() {
@@ -101,16 +101,15 @@ func (z *Standin) listen(sw *nsSwitch, w *workload) error {
 }
 
 // boundSocket is a socket bound (and, for TCP, listening) on the session's
-// thread. The goroutine that serves it turns it into a net.Listener; Close
-// may come first, from a Del.
+// thread. The acceptor answers its connections once it is served; Close may
+// come first, from a Del, or while the acceptor is accepting on it.
 type boundSocket struct {
 	port int
 	tcp  bool
 
-	mu     sync.Mutex
-	fd     int // -1 once handed over to ln, or closed
-	ln     net.Listener
-	closed bool
+	mu      sync.Mutex
+	fd      int    // -1 once closed
+	unserve func() // set once the acceptor serves it
 }
 
 // socketOpts are ztunnel's on every in-pod socket: its mark, so the rules
@@ -161,46 +160,30 @@ func newSocket(port int, v6, tcp bool) (*boundSocket, error) {
 	return &boundSocket{port: port, tcp: tcp, fd: fd}, nil
 }
 
-// Close closes the socket, whether or not it is being served yet.
+// Close closes the socket, whether or not it is being served yet. Under mu,
+// so the acceptor never accepts on a closed (and maybe reused) fd number;
+// closing the only reference also takes the fd out of the acceptor's epoll.
 func (b *boundSocket) Close() error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.closed = true
-	if b.ln != nil {
-		return b.ln.Close()
+	if b.fd < 0 {
+		return nil
 	}
-	if b.fd >= 0 {
-		err := unix.Close(b.fd)
-		b.fd = -1
-		return err
-	}
-	return nil
-}
-
-// listener hands the socket over to a net.Listener; it fails once closed.
-func (b *boundSocket) listener() (net.Listener, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.closed {
-		return nil, net.ErrClosed
-	}
-	f := os.NewFile(uintptr(b.fd), fmt.Sprintf("listener:%d", b.port))
-	ln, err := net.FileListener(f) // serves a duplicate of the socket
-	f.Close()
+	err := unix.Close(b.fd)
 	b.fd = -1
-	if err != nil {
-		b.closed = true
-		return nil, err
+	if b.unserve != nil {
+		b.unserve()
 	}
-	b.ln = ln
-	return ln, nil
+	return err
 }
 
 // serveAll starts answering on w's TCP listeners.
 func (z *Standin) serveAll(w *workload) {
 	for _, l := range w.listeners {
 		if b, ok := l.(*boundSocket); ok && b.tcp {
-			go z.serve(w.info.UID, b)
+			if err := z.acceptor.serve(w.info.UID, b); err != nil {
+				z.log.Error("cannot serve a listener; its connections stay queued", "uid", w.info.UID, "port", b.port, "err", err)
+			}
 		}
 	}
 }
@@ -209,25 +192,18 @@ func ipv6Unavailable(err error) bool {
 	return errors.Is(err, unix.EADDRNOTAVAIL) || errors.Is(err, unix.EAFNOSUPPORT)
 }
 
-func (z *Standin) serve(uid string, b *boundSocket) {
-	ln, err := b.listener()
-	if err != nil {
-		return
-	}
-	port := b.port
-	for {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		orig := OriginalDst(c.(*net.TCPConn))
-		z.mu.Lock()
-		z.accepted = append(z.accepted, Accepted{UID: uid, Port: port, OrigDst: orig, Peer: c.RemoteAddr().String(), Received: time.Now()})
-		z.mu.Unlock()
-		c.SetWriteDeadline(time.Now().Add(time.Second))
-		fmt.Fprintf(c, "ztunnel-standin port=%d orig=%s peer=%s\n", port, orig, c.RemoteAddr())
-		c.Close()
-	}
+// answer tells the peer of one accepted connection what the stand-in saw:
+// the port, the connection's original destination and its peer. The line is
+// short and the socket's send buffer empty, so the write does not block (a
+// peer that never reads is cut off by the send timeout).
+func (z *Standin) answer(uid string, port, fd int) {
+	defer unix.Close(fd)
+	orig, peer := originalDst(fd), peerOf(fd)
+	z.mu.Lock()
+	z.accepted = append(z.accepted, Accepted{UID: uid, Port: port, OrigDst: orig, Peer: peer, Received: time.Now()})
+	z.mu.Unlock()
+	unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_SNDTIMEO, &unix.Timeval{Sec: 1})
+	unix.Write(fd, fmt.Appendf(nil, "ztunnel-standin port=%d orig=%s peer=%s\n", port, orig, peer))
 }
 
 // OriginalDst is the destination a connection had before netfilter
@@ -238,27 +214,48 @@ func OriginalDst(c *net.TCPConn) string {
 		return "error:" + err.Error()
 	}
 	var out string
-	rc.Control(func(fd uintptr) {
-		local := c.LocalAddr().(*net.TCPAddr)
-		if local.IP.To4() != nil {
-			var sa unix.RawSockaddrInet4
-			l := uint32(unsafe.Sizeof(sa))
-			if err := getsockopt(int(fd), unix.SOL_IP, soOriginalDst, unsafe.Pointer(&sa), &l); err != nil {
-				out = local.String()
-				return
-			}
-			out = netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), netPort(sa.Port)).String()
-			return
-		}
-		var sa unix.RawSockaddrInet6
-		l := uint32(unsafe.Sizeof(sa))
-		if err := getsockopt(int(fd), unix.SOL_IPV6, soOriginalDst, unsafe.Pointer(&sa), &l); err != nil {
-			out = local.String()
-			return
-		}
-		out = netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), netPort(sa.Port)).String()
-	})
+	rc.Control(func(fd uintptr) { out = originalDst(int(fd)) })
 	return out
+}
+
+func originalDst(fd int) string {
+	local, err := unix.Getsockname(fd)
+	if err != nil {
+		return "error:" + err.Error()
+	}
+	if _, v4 := local.(*unix.SockaddrInet4); v4 {
+		var sa unix.RawSockaddrInet4
+		l := uint32(unsafe.Sizeof(sa))
+		if err := getsockopt(fd, unix.SOL_IP, soOriginalDst, unsafe.Pointer(&sa), &l); err != nil {
+			return addrString(local)
+		}
+		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), netPort(sa.Port)).String()
+	}
+	var sa unix.RawSockaddrInet6
+	l := uint32(unsafe.Sizeof(sa))
+	if err := getsockopt(fd, unix.SOL_IPV6, soOriginalDst, unsafe.Pointer(&sa), &l); err != nil {
+		return addrString(local)
+	}
+	return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), netPort(sa.Port)).String()
+}
+
+func peerOf(fd int) string {
+	sa, err := unix.Getpeername(fd)
+	if err != nil {
+		return "error:" + err.Error()
+	}
+	return addrString(sa)
+}
+
+// addrString formats an inet sockaddr as net.TCPAddr.String does.
+func addrString(sa unix.Sockaddr) string {
+	switch a := sa.(type) {
+	case *unix.SockaddrInet4:
+		return netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port)).String()
+	case *unix.SockaddrInet6:
+		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr), uint16(a.Port)).String()
+	}
+	return fmt.Sprintf("%v", sa)
 }
 
 // netPort reads a sockaddr's port, stored in network byte order.

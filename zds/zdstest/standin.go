@@ -101,6 +101,8 @@ type Standin struct {
 	connects       int
 	protocolErrors []error
 	accepted       []Accepted
+
+	acceptor *acceptor // set by Run
 }
 
 type workload struct {
@@ -133,6 +135,12 @@ func New(cfg Config) *Standin {
 // exponential backoff. Workloads outlive connections, as ztunnel's proxies
 // outlive an agent restart; Run's end closes them all.
 func (z *Standin) Run(ctx context.Context) error {
+	acc, err := newAcceptor(z.answer)
+	if err != nil {
+		return err
+	}
+	z.acceptor = acc
+	defer acc.stop() // after the workloads' listeners are closed
 	defer func() {
 		// Before the listeners close: a judge reading the record sees the
 		// stand-in go (its pod deleted, as an upgrade's old ztunnel is)
@@ -240,8 +248,8 @@ func (z *Standin) session(ctx context.Context, sw *nsSwitch) error {
 		_, err = uc.Write(resp)
 		// Accepting starts after the Ack: the listeners are bound and
 		// listening before it (what the Ack promises), so the kernel
-		// already queues connections; starting goroutines first would
-		// only delay the Ack.
+		// already queues connections; registering them first would only
+		// delay the Ack.
 		if started != nil {
 			z.serveAll(started)
 		}
