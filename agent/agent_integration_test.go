@@ -60,6 +60,8 @@ type world struct {
 	// stopStandin stops the current stand-in.
 	stopStandin func()
 	kubelet     *kubelettest.Kubelet
+	// agentArgs follow startAgentProcess's own flags (the later wins).
+	agentArgs []string
 }
 
 func newWorld(t testing.TB) *world {
@@ -488,6 +490,7 @@ func (w *world) startAgentProcess(bin string) *agentProcess {
 		"--host-netns", c.HostNetNS, "--device-plugin-dir", c.DevicePlugin.PluginDir, "--devices", "4",
 		"--gate", c.Gate, "--dra-registrar-dir", c.DRA.RegistrarDir, "--dra-plugin-dir", c.DRA.PluginDir,
 		"--health-addr", health, "--metrics-addr", metrics, "--log-level", "debug")
+	cmd.Args = append(cmd.Args, w.agentArgs...)
 	cmd.Stdout, cmd.Stderr = testWriter{w.t}, testWriter{w.t}
 	if err := cmd.Start(); err != nil {
 		w.t.Fatal(err)
