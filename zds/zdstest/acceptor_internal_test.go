@@ -169,3 +169,42 @@ func TestAcceptorStopEndsItsLoopAndRefusesMore(t *testing.T) {
 		t.Error("a stopped acceptor took a listener")
 	}
 }
+
+// testapp serves on a dual-stack socket: IPv4 arrives v4-mapped there, and
+// OriginalDst must still read the IPv4 conntrack entry and print IPv4.
+func TestOriginalDstOnADualStackListener(t *testing.T) {
+	pod := netnstest.New(t)
+	for _, tc := range []struct{ dial, want string }{
+		{"127.0.0.1", "127.0.0.1:"},
+		{"::1", "[::1]:"},
+	} {
+		var got string
+		err := netns.DoPath(pod.Path, func() error {
+			ln, err := net.Listen("tcp", ":0")
+			if err != nil {
+				return err
+			}
+			defer ln.Close()
+			port := ln.Addr().(*net.TCPAddr).Port
+			c, err := net.Dial("tcp", net.JoinHostPort(tc.dial, fmt.Sprint(port)))
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			s, err := ln.Accept()
+			if err != nil {
+				return err
+			}
+			defer s.Close()
+			got = OriginalDst(s.(*net.TCPConn))
+			tc.want += fmt.Sprint(port)
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got != tc.want {
+			t.Errorf("a connection to %s: OriginalDst %q, want %q", tc.dial, got, tc.want)
+		}
+	}
+}

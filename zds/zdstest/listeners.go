@@ -219,24 +219,28 @@ func OriginalDst(c *net.TCPConn) string {
 }
 
 func originalDst(fd int) string {
-	local, err := unix.Getsockname(fd)
+	sa, err := unix.Getsockname(fd)
 	if err != nil {
 		return "error:" + err.Error()
 	}
-	if _, v4 := local.(*unix.SockaddrInet4); v4 {
+	local := addrPort(sa)
+	// IPv4 traffic on a dual-stack socket has a v4-mapped address (which
+	// addrPort unmaps); its conntrack entry, and so its original
+	// destination, is IPv4.
+	if local.Addr().Is4() {
 		var sa unix.RawSockaddrInet4
 		l := uint32(unsafe.Sizeof(sa))
 		if err := getsockopt(fd, unix.SOL_IP, soOriginalDst, unsafe.Pointer(&sa), &l); err != nil {
-			return addrString(local)
+			return local.String()
 		}
 		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), netPort(sa.Port)).String()
 	}
-	var sa unix.RawSockaddrInet6
-	l := uint32(unsafe.Sizeof(sa))
-	if err := getsockopt(fd, unix.SOL_IPV6, soOriginalDst, unsafe.Pointer(&sa), &l); err != nil {
-		return addrString(local)
+	var raw unix.RawSockaddrInet6
+	l := uint32(unsafe.Sizeof(raw))
+	if err := getsockopt(fd, unix.SOL_IPV6, soOriginalDst, unsafe.Pointer(&raw), &l); err != nil {
+		return local.String()
 	}
-	return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), netPort(sa.Port)).String()
+	return netip.AddrPortFrom(netip.AddrFrom16(raw.Addr), netPort(raw.Port)).String()
 }
 
 func peerOf(fd int) string {
@@ -244,18 +248,19 @@ func peerOf(fd int) string {
 	if err != nil {
 		return "error:" + err.Error()
 	}
-	return addrString(sa)
+	return addrPort(sa).String()
 }
 
-// addrString formats an inet sockaddr as net.TCPAddr.String does.
-func addrString(sa unix.Sockaddr) string {
+// addrPort is an inet sockaddr's address and port, a v4-mapped address
+// unmapped, so that it prints as net.TCPAddr.String does.
+func addrPort(sa unix.Sockaddr) netip.AddrPort {
 	switch a := sa.(type) {
 	case *unix.SockaddrInet4:
-		return netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port)).String()
+		return netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port))
 	case *unix.SockaddrInet6:
-		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr), uint16(a.Port)).String()
+		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr).Unmap(), uint16(a.Port))
 	}
-	return fmt.Sprintf("%v", sa)
+	return netip.AddrPort{}
 }
 
 // netPort reads a sockaddr's port, stored in network byte order.
@@ -270,4 +275,27 @@ func getsockopt(fd, level, opt int, val unsafe.Pointer, l *uint32) error {
 		return e
 	}
 	return nil
+}
+
+// BindListeners enters ns and binds the listeners an Add binds there, as
+// the session does before it acks; close releases them. For benchmarks: it
+// is the stand-in's own share of an Add→Ack, which ztunnel pays as well.
+func (z *Standin) BindListeners(ns *os.File) (release func(), err error) {
+	sw, err := newNSSwitch()
+	if err != nil {
+		return nil, err
+	}
+	defer sw.close()
+	w := &workload{netns: ns}
+	err = z.listen(sw, w)
+	release = func() {
+		for _, l := range w.listeners {
+			l.Close()
+		}
+	}
+	if err != nil {
+		release()
+		return nil, err
+	}
+	return release, nil
 }
