@@ -15,6 +15,14 @@ import (
 	"github.com/inpod-dev/inpod/zds/zdspb"
 )
 
+// inFlight is the request on the wire: where its Ack goes, and whether the
+// Ack also hands the turn on (a request sent through do, not the snapshot's
+// roundTrip, whose sender keeps the turn for the whole snapshot).
+type inFlight struct {
+	ackc   chan *zdspb.Ack
+	handOn bool
+}
+
 // request is one message awaiting one Ack.
 type request struct {
 	op      string // for logs and errors: add, del, keep, snapshot
@@ -42,7 +50,7 @@ type conn struct {
 	done chan struct{}
 
 	mu       sync.Mutex
-	waiting  chan *zdspb.Ack // non-nil while a request is in flight
+	waiting  *inFlight // non-nil while a request is in flight
 	closeErr error
 
 	// snapshotAcked is guarded by Server.mu.
@@ -83,9 +91,13 @@ func (c *conn) closeReason() error {
 
 // do waits for the connection's turn, sends r and waits for its Ack, all
 // on the caller's goroutine: no hand-over to another goroutine on the way
-// out or back. A caller whose ctx ends while its request is on the wire
-// returns at once; the request keeps the turn until its Ack or the
-// connection's end settles it, so no later request is paired with that Ack.
+// out or back. The turn goes on with the Ack: readLoop passes it to the next
+// waiter as it delivers the Ack, so in a burst the next request goes out
+// without waiting for this caller to be scheduled first (on a busy node
+// each wake-up is milliseconds, paid once per Add on the one connection).
+// A caller whose ctx ends while its request is on the wire returns at once;
+// the request keeps the turn until its Ack or the connection's end settles
+// it, so no later request is paired with that Ack.
 func (c *conn) do(ctx context.Context, r *request) error {
 	select {
 	case <-c.turn:
@@ -98,21 +110,20 @@ func (c *conn) do(ctx context.Context, r *request) error {
 		c.release()
 		return err
 	}
-	ackc, err := c.send(r)
+	ackc, err := c.send(r, true)
 	if err != nil {
-		c.release()
+		c.release() // nothing in flight: the turn is still ours
 		return err
 	}
+	// From here the turn is settled with the request: readLoop hands it on
+	// with the Ack, and a timeout or a closed connection ends the
+	// connection, whose waiters all watch done.
 	timer := time.NewTimer(c.ackTimeout)
 	settled, err := c.await(ctx.Done(), r, ackc, timer)
 	if !settled {
-		go func() {
-			c.await(nil, r, ackc, timer)
-			c.release()
-		}()
+		go c.await(nil, r, ackc, timer)
 		return ctx.Err()
 	}
-	c.release()
 	return err
 }
 
@@ -220,7 +231,7 @@ func snapshotRequest(w Workload) (*request, error) {
 // error other than *AckError or ErrNetNSClosed leaves the connection unusable
 // and closed.
 func (c *conn) roundTrip(r *request) error {
-	ackc, err := c.send(r)
+	ackc, err := c.send(r, false)
 	if err != nil {
 		return err
 	}
@@ -228,16 +239,16 @@ func (c *conn) roundTrip(r *request) error {
 	return err
 }
 
-// send puts r in flight and writes it; the caller holds the turn. On error
-// nothing is in flight.
-func (c *conn) send(r *request) (chan *zdspb.Ack, error) {
+// send puts r in flight and writes it; the caller holds the turn, which
+// r's Ack hands on when handOn. On error nothing is in flight.
+func (c *conn) send(r *request, handOn bool) (chan *zdspb.Ack, error) {
 	ackc := make(chan *zdspb.Ack, 1)
 	c.mu.Lock()
 	if c.closeErr != nil {
 		c.mu.Unlock()
 		return nil, fmt.Errorf("%w (%s of pod %s)", ErrConnectionClosed, r.op, r.uid)
 	}
-	c.waiting = ackc
+	c.waiting = &inFlight{ackc: ackc, handOn: handOn}
 	c.mu.Unlock()
 
 	if err := c.write(r); err != nil {
@@ -349,14 +360,19 @@ func (c *conn) readLoop() {
 			return
 		}
 		c.mu.Lock()
-		ackc := c.waiting
+		req := c.waiting
 		c.waiting = nil
 		c.mu.Unlock()
-		if ackc == nil {
+		if req == nil {
 			c.log.Error("dropping ztunnel connection: ack with no request in flight")
 			c.fail(errors.New("protocol error: unsolicited ack"))
 			return
 		}
-		ackc <- ack
+		// The Ack first, then the turn: the next sender is readied last,
+		// so it runs before the caller that gets the Ack.
+		req.ackc <- ack
+		if req.handOn {
+			c.release()
+		}
 	}
 }
