@@ -33,9 +33,10 @@ type request struct {
 
 // conn is one ztunnel connection. A request is sent, and its Ack awaited,
 // by the goroutine that asks for it while it holds the connection's turn;
-// readLoop owns the read side and hands each Ack straight to that goroutine.
-// Holding the turn from the send until the Ack (or the connection's end) is
-// what keeps one request in flight, and so the pairing of acks.
+// readLoop owns the read side, hands each Ack straight to that goroutine and
+// passes the turn on. The turn going from one send only to the Ack that
+// settles it (or the connection's end) is what keeps one request in flight,
+// and so the pairing of acks.
 type conn struct {
 	id         uint64
 	uc         *net.UnixConn
@@ -89,9 +90,9 @@ func (c *conn) closeReason() error {
 	return c.closeErr
 }
 
-// do waits for the connection's turn, sends r and waits for its Ack, all
-// on the caller's goroutine: no hand-over to another goroutine on the way
-// out or back. The turn goes on with the Ack: readLoop passes it to the next
+// do waits for the connection's turn, sends r and waits for its Ack on the
+// caller's goroutine: no hand-over to a connection goroutine on the way out
+// or back. The turn goes on with the Ack: readLoop passes it to the next
 // waiter as it delivers the Ack, so in a burst the next request goes out
 // without waiting for this caller to be scheduled first (on a busy node
 // each wake-up is milliseconds, paid once per Add on the one connection).
@@ -112,7 +113,9 @@ func (c *conn) do(ctx context.Context, r *request) error {
 	}
 	ackc, err := c.send(r, true)
 	if err != nil {
-		c.release() // nothing in flight: the turn is still ours
+		if !errors.Is(err, errTurnHandedOn) {
+			c.release() // nothing in flight: the turn is still ours
+		}
 		return err
 	}
 	// From here the turn is settled with the request: readLoop hands it on
@@ -239,6 +242,11 @@ func (c *conn) roundTrip(r *request) error {
 	return err
 }
 
+// errTurnHandedOn: a failed send whose request readLoop had already
+// settled with an Ack (one the peer sent unasked) and whose turn it handed
+// on; the caller must not give the turn back a second time.
+var errTurnHandedOn = errors.New("an ack came for a request that was never sent")
+
 // send puts r in flight and writes it; the caller holds the turn, which
 // r's Ack hands on when handOn. On error nothing is in flight.
 func (c *conn) send(r *request, handOn bool) (chan *zdspb.Ack, error) {
@@ -252,7 +260,15 @@ func (c *conn) send(r *request, handOn bool) (chan *zdspb.Ack, error) {
 	c.mu.Unlock()
 
 	if err := c.write(r); err != nil {
-		c.settle()
+		if !c.settle(ackc) {
+			// readLoop paired an Ack with a request that did not go out,
+			// and released the turn for it: the peer acks what it was
+			// never sent, so no pairing on this connection can be trusted.
+			err := fmt.Errorf("protocol error: %w (%s of pod %s)", errTurnHandedOn, r.op, r.uid)
+			c.log.Error("dropping ztunnel connection", "err", err)
+			c.fail(err)
+			return nil, fmt.Errorf("%w: %w", ErrConnectionClosed, err)
+		}
 		if errors.Is(err, ErrNetNSClosed) {
 			// Nothing was written: the connection's pairing is intact.
 			return nil, fmt.Errorf("%w: %s of pod %s (%s)", ErrNetNSClosed, r.op, r.uid, r.netns.Name())
@@ -267,11 +283,17 @@ func (c *conn) send(r *request, handOn bool) (chan *zdspb.Ack, error) {
 	return ackc, nil
 }
 
-// settle marks nothing in flight.
-func (c *conn) settle() {
+// settle marks nothing in flight if the request in flight is still the one
+// whose Ack goes to ackc, and says whether it was: readLoop may have settled
+// it already, and the turn may since have gone on to the next request.
+func (c *conn) settle(ackc chan *zdspb.Ack) bool {
 	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.waiting == nil || c.waiting.ackc != ackc {
+		return false
+	}
 	c.waiting = nil
-	c.mu.Unlock()
+	return true
 }
 
 // await waits for the Ack of the request in flight, the connection's end,
@@ -285,7 +307,7 @@ func (c *conn) await(stop <-chan struct{}, r *request, ackc chan *zdspb.Ack, tim
 		return true, ackResult(r, ack)
 	case <-c.done:
 		timer.Stop()
-		c.settle()
+		c.settle(ackc)
 		return true, fmt.Errorf("%w (%s of pod %s): %v", ErrConnectionClosed, r.op, r.uid, c.closeReason())
 	case <-timer.C:
 		// An agent descheduled past the deadline wakes with both ready,
@@ -297,7 +319,7 @@ func (c *conn) await(stop <-chan struct{}, r *request, ackc chan *zdspb.Ack, tim
 		}
 		err := fmt.Errorf("%w after %s (%s of pod %s); connection closed", ErrAckTimeout, c.ackTimeout, r.op, r.uid)
 		c.fail(err)
-		c.settle()
+		c.settle(ackc)
 		return true, err
 	case <-stop:
 		return false, nil

@@ -3,9 +3,11 @@
 // compatible with Istio's ztunnel and knows nothing about Kubernetes: a
 // PodSource tells it which pods exist.
 //
-// Each connection is owned by one goroutine that sends one request at a time
-// and waits for its Ack; a second goroutine reads the socket all the time, so
-// a peer that goes away is noticed at once rather than at the next request.
+// A connection carries one request at a time: its caller sends it while
+// holding the connection's turn and waits for its Ack, and a reader
+// goroutine, reading the socket all the time (so a peer that goes away is
+// noticed at once rather than at the next request), delivers the Ack and
+// passes the turn to the next caller.
 // An Ack that arrives when nothing is in flight, or a request that times out,
 // closes the connection: an Ack carries no id, so after either the pairing of
 // requests and acks can no longer be trusted.
