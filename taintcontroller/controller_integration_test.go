@@ -175,6 +175,10 @@ func TestIntegrationTaintContinuous(t *testing.T) {
 	// Back within the grace period: no taint at all.
 	w.setPodReady(t, "a", true)
 	w.waitTainted(t, "a", false)
+	// The untaint is visible in the API before its response reaches the
+	// controller's client, where it is counted; the one worker has that
+	// response once it has handled a later barrier.
+	w.barrier(t, nil)
 	patches := r.writes.accepted("PATCH nodes/a")
 	w.setPodReady(t, "a", false)
 	w.setPodReady(t, "a", true)
