@@ -278,8 +278,11 @@ func getsockopt(fd, level, opt int, val unsafe.Pointer, l *uint32) error {
 }
 
 // BindListeners enters ns and binds the listeners an Add binds there, as
-// the session does before it acks; close releases them. For benchmarks: it
+// the session does before it acks; release closes them. For benchmarks: it
 // is the stand-in's own share of an Add→Ack, which ztunnel pays as well.
+// An error that says the thread could not come back from ns leaves the
+// caller's goroutine locked to that thread: the caller must end it (a
+// benchmark's Fatal does), so the runtime discards the thread.
 func (z *Standin) BindListeners(ns *os.File) (release func(), err error) {
 	sw, err := newNSSwitch()
 	if err != nil {
@@ -288,6 +291,9 @@ func (z *Standin) BindListeners(ns *os.File) (release func(), err error) {
 	defer sw.close()
 	w := &workload{netns: ns}
 	err = z.listen(sw, w)
+	if sw.poisoned() {
+		err = errors.Join(err, errors.New("could not return the thread to its own netns"))
+	}
 	release = func() {
 		for _, l := range w.listeners {
 			l.Close()
