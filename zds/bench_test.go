@@ -81,7 +81,7 @@ func BenchmarkAddAck(b *testing.B) {
 		FloorName: floor + ", p50", Floor: benchreport.Us(base50), Target: "≤ 200 µs (#19)"})
 	benchreport.Record(b, benchreport.Figure{Section: section, Name: "Add→Ack p99", Value: benchreport.Us(p99), Unit: "µs",
 		FloorName: floor + ", p99", Floor: benchreport.Us(base99)})
-	benchreport.Record(b, benchreport.Figure{Section: section, Name: "of which the stand-in enters the pod netns and binds its listeners (3 ports, IPv4 and IPv6), p50",
+	benchreport.Record(b, benchreport.Figure{Section: section, Name: "of which the stand-in enters the pod netns and binds its listeners (3 ports, each one dual-stack socket as ztunnel binds them), p50",
 		Value: benchreport.Us(benchreport.Percentile(binds, 50)), Unit: "µs"})
 }
 

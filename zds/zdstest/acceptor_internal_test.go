@@ -28,8 +28,8 @@ func (a *answered) answer(z *Standin) func(uid string, port, fd int) {
 	}
 }
 
-// bindInPod binds one listener of each family on port in the pod's netns, as
-// an Add does.
+// bindInPod binds a dual-stack listener on port in the pod's netns, as an
+// Add does.
 func bindInPod(t *testing.T, pod *netnstest.NetNS, port int) []*boundSocket {
 	t.Helper()
 	sw, err := newNSSwitch()
@@ -39,13 +39,11 @@ func bindInPod(t *testing.T, pod *netnstest.NetNS, port int) []*boundSocket {
 	defer sw.close()
 	var socks []*boundSocket
 	err = sw.in(pod.Open(t), func() error {
-		for _, v6 := range []bool{false, true} {
-			b, err := newSocket(port, v6, true)
-			if err != nil {
-				return err
-			}
-			socks = append(socks, b)
+		b, err := newSocket(port, true, true)
+		if err != nil {
+			return err
 		}
+		socks = append(socks, b)
 		return nil
 	})
 	if err != nil {
@@ -125,7 +123,7 @@ func TestAcceptorForgetsAClosedListener(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer acc.stop()
-	socks := bindInPod(t, pod, PortInbound)
+	socks := append(bindInPod(t, pod, PortInbound), bindInPod(t, pod, PortOutbound)...)
 	// One closed before it is served (a Del racing the Ack's aftermath).
 	socks[1].Close()
 	for _, b := range socks {

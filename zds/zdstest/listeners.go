@@ -75,19 +75,21 @@ func (z *Standin) ports() []int {
 // thread: each a socket marked and bound as ztunnel's, listening before the
 // Ack goes out. Only the system calls that make the sockets are on the Ack's
 // path; serveAll hands the TCP ones to the acceptor afterwards.
+//
+// One TCP socket per port, as ztunnel binds them: on its wildcard address,
+// [::] dual-stack (it takes IPv4 too, as v4-mapped addresses), or 0.0.0.0
+// where the pod's netns has no IPv6.
 func (z *Standin) listen(sw *nsSwitch, w *workload) error {
 	return sw.in(w.netns, func() error {
 		for _, port := range z.ports() {
-			for _, v6 := range []bool{false, true} {
-				l, err := newSocket(port, v6, true)
-				if err != nil {
-					if v6 && ipv6Unavailable(err) {
-						continue
-					}
-					return err
-				}
-				w.listeners = append(w.listeners, l)
+			l, err := newSocket(port, true, true)
+			if err != nil && ipv6Unavailable(err) {
+				l, err = newSocket(port, false, true)
 			}
+			if err != nil {
+				return err
+			}
+			w.listeners = append(w.listeners, l)
 			if port == PortDNS {
 				l, err := newSocket(port, false, false)
 				if err != nil {
@@ -118,9 +120,9 @@ type boundSocket struct {
 // share the port; SO_REUSEADDR as Go and tokio set it on listeners.
 var socketOpts = [][2]int{{unix.SO_REUSEADDR, 1}, {unix.SO_MARK, Mark}, {unix.SO_REUSEPORT, 1}}
 
-// newSocket makes a TCP listener or a UDP socket on the wildcard address
-// of one family: plain TCP, as ztunnel's (not MPTCP, Go's default for its
-// own listeners where the kernel has it).
+// newSocket makes a TCP listener or a UDP socket on the wildcard address:
+// 0.0.0.0, or [::] taking both families. Plain TCP, as ztunnel's (not MPTCP,
+// Go's default for its own listeners where the kernel has it).
 func newSocket(port int, v6, tcp bool) (*boundSocket, error) {
 	family, sa := unix.AF_INET, unix.Sockaddr(&unix.SockaddrInet4{Port: port})
 	what := "4"
@@ -145,7 +147,8 @@ func newSocket(port int, v6, tcp bool) (*boundSocket, error) {
 		}
 	}
 	if v6 {
-		if err := unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1); err != nil {
+		// Explicitly: net.ipv6.bindv6only may default to IPv6 only.
+		if err := unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 0); err != nil {
 			return fail("setsockopt", err)
 		}
 	}
