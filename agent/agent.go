@@ -82,6 +82,13 @@ type Config struct {
 	// DebugPprof serves Go's profiles under /debug/pprof/ on MetricsAddr
 	// (to find where memory or CPU goes on a live node).
 	DebugPprof bool
+	// ReleaseStartupMemory gives back the binary's pages (see package
+	// codepages) once the node has been ready and then without CNI events
+	// for StartupMemoryQuiet (default DefaultStartupMemoryQuiet): what
+	// start-up alone ran stops counting against the node. Off in tests
+	// that run the agent in their own process.
+	ReleaseStartupMemory bool
+	StartupMemoryQuiet   time.Duration
 
 	// PodName and PodNamespace are the agent's own pod (downward API). At
 	// shutdown the DaemonSet controlling it, by UID, tells an uninstall
@@ -148,6 +155,12 @@ func New(cfg Config) (*Agent, error) {
 	}
 	if cfg.RedirectBackend == "" {
 		cfg.RedirectBackend = "auto"
+	}
+	if cfg.StartupMemoryQuiet < 0 {
+		return nil, fmt.Errorf("agent: negative --release-startup-memory-quiet %v", cfg.StartupMemoryQuiet)
+	}
+	if cfg.StartupMemoryQuiet == 0 {
+		cfg.StartupMemoryQuiet = DefaultStartupMemoryQuiet
 	}
 	if cfg.AgentSelector == "" {
 		cfg.AgentSelector = DefaultAgentSelector
@@ -229,6 +242,8 @@ type pieces struct {
 	queue    workqueue.TypedRateLimitingInterface[types.NamespacedName]
 	passList *passlist.List
 	cni      *cniserver.Server
+	// activity counts the CNI events cni serves.
+	activity *cniActivity
 	// installer is nil when Config.InstallCNI is false.
 	installer *cniinstall.Installer
 	// cred keeps the plugin's API access file; nil without a pod namespace.
@@ -305,7 +320,8 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	if p.zds, err = zds.NewServer(zds.Config{SocketPath: cfg.ZDSSocket, Source: p.pipeline, Logger: a.log}); err != nil {
 		return nil, err
 	}
-	if p.cni, err = cniserver.New(cniserver.Config{SocketPath: cfg.CNISocket, Handler: p.pipeline, Logger: a.log}); err != nil {
+	p.activity = &cniActivity{Handler: p.pipeline}
+	if p.cni, err = cniserver.New(cniserver.Config{SocketPath: cfg.CNISocket, Handler: p.activity, Logger: a.log}); err != nil {
 		return nil, err
 	}
 	if cfg.InstallCNI {
@@ -493,6 +509,9 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, fun
 
 	for _, gate := range a.gates {
 		run("gate "+gate.Name(), func(ctx context.Context) error { return gate.Run(ctx, a.Ready) })
+	}
+	if cfg.ReleaseStartupMemory {
+		run("start-up memory release", func(ctx context.Context) error { a.releaseStartupMemory(ctx, p.activity); return nil })
 	}
 	run("observability", func(ctx context.Context) error {
 		return observe.Serve(ctx, a.log, cfg.HealthAddr, cfg.MetricsAddr, a.Metrics, a.Ready, cfg.DebugPprof)

@@ -526,7 +526,15 @@ func TestIntegrationAgentKilledAndRestartedLeavesRulesAndResendsSnapshot(t *test
 	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/inpod-agent").CombinedOutput(); err != nil {
 		t.Fatalf("build inpod-agent: %v: %s", err, out)
 	}
+	// As shipped, the agent gives back its code's pages once ready and
+	// quiet (here after 100 ms, not 30 s): what follows (an enrollment, a
+	// SIGKILL and restore) runs on code read back from the binary.
+	w.agentArgs = []string{"--release-startup-memory-quiet", "100ms"}
+	syscall.Sync()
 	first := w.startAgentProcess(bin)
+	w.eventually("the agent released its start-up pages", func() bool {
+		return first.metric(t, "inpod_startup_memory_released_bytes") > 0
+	})
 
 	pod, sandbox := w.pod("mesh", "long-lived")
 	res, err := w.cniAdd(pod, sandbox)

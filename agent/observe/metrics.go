@@ -40,6 +40,7 @@ type Metrics struct {
 	sliceTaintChanges *prometheus.CounterVec
 	sliceLatency      prometheus.Histogram
 	prepareRefusals   prometheus.Counter
+	startupReleased   prometheus.Gauge
 
 	mu        sync.Mutex
 	published bool
@@ -91,10 +92,12 @@ func NewMetrics() *Metrics {
 			Buckets: []float64{.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30}}),
 		prepareRefusals: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_dra_prepare_refusals_total",
 			Help: "Claims the DRA gate refused to prepare because the node was not ready."}),
+		startupReleased: prometheus.NewGauge(prometheus.GaugeOpts{Name: "inpod_startup_memory_released_bytes",
+			Help: "Page cache of the agent's binary it dropped once ready and quiet (--release-startup-memory); 0 until then."}),
 	}
 	r.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "inpod_enrolled_pods",
 		Help: "Pods the agent holds as enrolled (or held for a restore) now; a soak compares it with the pods that exist."}, m.trackedPods))
-	r.MustRegister(m.slicePublishes, m.sliceTaintChanges, m.sliceLatency, m.prepareRefusals, m.gateRegistrations, m.gateHealthFlips, m.conditionWrites, m.conditionFailures, m.enrollments, m.failures, m.removals, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
+	r.MustRegister(m.startupReleased, m.slicePublishes, m.sliceTaintChanges, m.sliceLatency, m.prepareRefusals, m.gateRegistrations, m.gateHealthFlips, m.conditionWrites, m.conditionFailures, m.enrollments, m.failures, m.removals, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -174,6 +177,10 @@ func (m *Metrics) SliceWritten(took time.Duration) { m.sliceLatency.Observe(took
 
 // PrepareRefused implements dra.Observer.
 func (m *Metrics) PrepareRefused() { m.prepareRefusals.Inc() }
+
+// StartupMemoryReleased records the bytes of its binary's page cache the
+// agent dropped once ready and quiet.
+func (m *Metrics) StartupMemoryReleased(bytes int64) { m.startupReleased.Set(float64(bytes)) }
 
 // CNIRepaired counts a repair.
 func (m *Metrics) CNIRepaired() { m.cniRepairs.Inc() }
