@@ -53,14 +53,16 @@ func FuzzRead(f *testing.F) {
 		if !b.Expires.Equal(a.Expires) {
 			t.Fatalf("expiry %v read back as %v", a.Expires, b.Expires)
 		}
-		a.Expires = b.Expires
-		if len(a.CAData) == 0 {
-			a.CAData = nil
+		// The same access, whether its CA is absent or empty; compared on
+		// copies, so the file b came from is what Write sees again below.
+		same := func(x Access) Access {
+			x.Expires = b.Expires
+			if len(x.CAData) == 0 {
+				x.CAData = nil
+			}
+			return x
 		}
-		if len(b.CAData) == 0 {
-			b.CAData = nil
-		}
-		if !reflect.DeepEqual(a, b) {
+		if !reflect.DeepEqual(same(*a), same(*b)) {
 			t.Fatalf("round trip changed the access:\n%+v\n%+v", a, b)
 		}
 		if changed, err := Write(out, b); err != nil || changed {
