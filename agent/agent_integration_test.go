@@ -20,6 +20,7 @@ import (
 
 	"github.com/containernetworking/cni/libcni"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -532,9 +533,14 @@ func TestIntegrationAgentKilledAndRestartedLeavesRulesAndResendsSnapshot(t *test
 	w.agentArgs = []string{"--release-startup-memory-quiet", "100ms"}
 	syscall.Sync()
 	first := w.startAgentProcess(bin)
-	w.eventually("the agent released its start-up pages", func() bool {
-		return first.metric(t, "inpod_startup_memory_released_bytes") > 0
-	})
+	var binFS unix.Statfs_t
+	if unix.Statfs(bin, &binFS) == nil && binFS.Type == unix.TMPFS_MAGIC {
+		t.Log("the agent binary is on tmpfs, where there is no page cache to give back")
+	} else {
+		w.eventually("the agent released its start-up pages", func() bool {
+			return first.metric(t, "inpod_startup_memory_released_bytes") > 0
+		})
+	}
 
 	pod, sandbox := w.pod("mesh", "long-lived")
 	res, err := w.cniAdd(pod, sandbox)

@@ -94,26 +94,26 @@ func (a *Agent) releaseStartupMemory(ctx context.Context, activity *cniActivity)
 		}
 	}
 	stop()
-	tick := min(time.Second, a.cfg.StartupMemoryQuiet)
-	ticker := time.NewTicker(max(tick, time.Millisecond))
+	quiet := a.cfg.StartupMemoryQuiet
+	tick := max(min(time.Second, quiet), time.Millisecond)
+	ticker := time.NewTicker(tick)
 	defer ticker.Stop()
-	if !activity.waitQuiet(ctx, ticker.C, int(a.cfg.StartupMemoryQuiet/max(tick, time.Millisecond))) {
+	if !activity.waitQuiet(ctx, ticker.C, max(int((quiet+tick-1)/tick), 1)) {
 		return
 	}
 	r, err := codepages.Release()
-	if err != nil {
-		a.log.Warn("could not give back the binary's start-up pages; the agent keeps them in memory", "err", err)
-		return
-	}
 	a.Metrics.StartupMemoryReleased(r.Freed())
 	const mib = 1 << 20
 	attrs := []any{"mappedBeforeMiB", float64(r.MappedBefore) / mib, "mappedAfterMiB", float64(r.MappedAfter) / mib,
 		"cachedBeforeMiB", float64(r.CachedBefore) / mib, "cachedAfterMiB", float64(r.CachedAfter) / mib}
-	if r.Freed() == 0 {
-		// Not the file's owner without CAP_FOWNER, or its pages still
-		// being written: nothing was wrong, nothing was freed.
-		a.log.Warn("gave back none of the binary's start-up pages", attrs...)
-		return
+	switch {
+	case err != nil:
+		a.log.Warn("gave back the binary's start-up pages only in part", append(attrs, "err", err)...)
+	case r.Freed() == 0:
+		// Pages another process maps, or still being written, stay; so
+		// does all of it without the right to write the binary.
+		a.log.Warn("gave back none of the binary's page cache", attrs...)
+	default:
+		a.log.Info("gave back the binary's start-up pages", attrs...)
 	}
-	a.log.Info("gave back the binary's start-up pages", attrs...)
 }

@@ -26,6 +26,7 @@
 package codepages
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"strconv"
@@ -47,10 +48,11 @@ type Result struct {
 func (r Result) Freed() int64 { return max(r.CachedBefore-r.CachedAfter, 0) }
 
 // Release unmaps the read-only file mappings of the running executable and
-// drops the executable's page cache nothing maps. Without the right to
-// write the file (its owner, or CAP_FOWNER) the kernel unmaps nothing, and
-// it fails where the kernel has no MADV_PAGEOUT (< 5.4): Result says what
-// it did.
+// drops the executable's page cache nothing maps. Each step is best effort:
+// without the right to write the file (owner, write permission,
+// CAP_FOWNER or CAP_DAC_OVERRIDE) the kernel unmaps nothing, and a kernel
+// without MADV_PAGEOUT (< 5.4) fails it, but the page cache nothing maps is
+// still dropped. Result says what happened; the error joins what failed.
 func Release() (Result, error) {
 	var r Result
 	exe, err := os.Open("/proc/self/exe")
@@ -62,15 +64,16 @@ func Release() (Result, error) {
 	if err != nil {
 		return r, fmt.Errorf("find the executable: %w", err)
 	}
+	var errs []error
 	if r.MappedBefore, err = fileRSS(); err != nil {
-		return r, err
+		errs = append(errs, err)
 	}
 	if r.CachedBefore, err = cached(exe); err != nil {
-		return r, err
+		errs = append(errs, err)
 	}
 	maps, err := os.ReadFile("/proc/self/maps")
 	if err != nil {
-		return r, err
+		errs = append(errs, err)
 	}
 	for _, line := range strings.Split(string(maps), "\n") {
 		m, ok := parseMapping(line)
@@ -78,22 +81,24 @@ func Release() (Result, error) {
 			continue
 		}
 		if _, _, errno := unix.Syscall(unix.SYS_MADVISE, m.start, m.end-m.start, unix.MADV_PAGEOUT); errno != 0 {
-			return r, fmt.Errorf("madvise(MADV_PAGEOUT) %x-%x %s: %w", m.start, m.end, m.perms, errno)
+			errs = append(errs, fmt.Errorf("madvise(MADV_PAGEOUT) %x-%x %s: %w", m.start, m.end, m.perms, errno))
+			break
 		}
 	}
 	// Dirty pages (a binary written moments ago) are not dropped: write
-	// them back first. It cannot change the file.
-	if err := unix.Fdatasync(int(exe.Fd())); err != nil {
-		return r, fmt.Errorf("write back the executable's pages: %w", err)
-	}
+	// them back first. It cannot change the file; where it fails
+	// (filesystems without fsync, such as squashfs) there is nothing dirty.
+	_ = unix.Fdatasync(int(exe.Fd()))
 	if err := unix.Fadvise(int(exe.Fd()), 0, 0, unix.FADV_DONTNEED); err != nil {
-		return r, fmt.Errorf("fadvise(POSIX_FADV_DONTNEED) the executable: %w", err)
+		errs = append(errs, fmt.Errorf("fadvise(POSIX_FADV_DONTNEED) the executable: %w", err))
 	}
 	if r.MappedAfter, err = fileRSS(); err != nil {
-		return r, err
+		errs = append(errs, err)
 	}
-	r.CachedAfter, err = cached(exe)
-	return r, err
+	if r.CachedAfter, err = cached(exe); err != nil {
+		errs = append(errs, err)
+	}
+	return r, errors.Join(errs...)
 }
 
 // cached counts f's pages in the page cache (mincore on a mapping of it,
