@@ -33,6 +33,12 @@ done
 if "$helm" template inpod "$chart" -n inpod-system --set-json 'enrollment.excludedNamespaces=[]' | grep -q 'values: \[\]'; then
   echo "excludedNamespaces=[] renders an empty NotIn" >&2; exit 1
 fi
+# helm upgrade --reuse-values keeps an older release's values: a value this
+# chart added must not render a flag the agent refuses (an empty bool) when
+# it is missing.
+if "$helm" template inpod "$chart" -n inpod-system -f <(printf 'agent:\n  releaseStartupMemory: null\n') | grep -q -- '--release-startup-memory'; then
+  echo "values without agent.releaseStartupMemory (an older release's) render --release-startup-memory" >&2; exit 1
+fi
 echo "chart: lint and template pass for every gate value"
 
 # The init container (gate initcontainer): first, locked down, only into
