@@ -8,8 +8,9 @@
 // RSS; fault-around maps 64 KiB around each page touched), and the page
 // cache of the binary, which exec and read-ahead fill with most of the file
 // and which the container's memory cgroup is charged for whether or not a
-// page is mapped. For the agent both are ~30-40 MiB after start-up, while
-// what it runs afterwards is a fraction of that.
+// page is mapped. For the agent, ~38 MiB are mapped and ~61 MiB cached
+// after start-up (measured, 2026-12-02), while what it runs afterwards is a
+// fraction of that.
 //
 // Release gives both back: MADV_PAGEOUT unmaps the binary's read-only
 // mappings (code, read-only data, the function table), then
