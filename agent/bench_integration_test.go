@@ -27,6 +27,7 @@ import (
 	"github.com/inpod-dev/inpod/agent/enroll"
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/internal/benchreport"
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/plugin/plugintest"
 	"github.com/inpod-dev/inpod/zds"
@@ -179,13 +180,7 @@ func startZtunnelFloor(b *testing.B) *zds.Server {
 	b.Cleanup(func() { cancel(); <-served })
 	_, stop := ztunnel.Start(b, ztunnel.Config{SocketPath: socket})
 	b.Cleanup(stop)
-	deadline := time.Now().Add(30 * time.Second)
-	for !srv.State().Ready {
-		if time.Now().After(deadline) {
-			b.Fatal("the floor's stand-in did not connect")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	testkit.Eventually(b, 30*time.Second, "the floor's stand-in connected", func() bool { return srv.State().Ready })
 	return srv
 }
 
