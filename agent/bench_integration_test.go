@@ -281,26 +281,26 @@ func (w *world) watchAnnotated(b *testing.B, pods []*corev1.Pod) (wait func()) {
 var childCPU atomic.Int64
 
 // processCPU is the CPU time (user and system) pid has used so far, in the
-// kernel's clock ticks (/proc/PID/stat), so good to 10 ms.
+// kernel's clock ticks, so good to 10 ms.
 func processCPU(b testing.TB, pid int) time.Duration {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		b.Fatal(err)
-	}
-	return statCPU(b, pid, data)
-}
-
-// statCPU is utime + stime from the contents of /proc/PID/stat.
-func statCPU(b testing.TB, pid int, data []byte) time.Duration {
-	// The fields after the command, which may hold spaces, in its
-	// parentheses: utime and stime are the 14th and 15th of the line.
-	f := strings.Fields(string(data[bytes.LastIndexByte(data, ')')+1:]))
+	f := procStat(b, pid)
 	utime, err1 := strconv.ParseInt(f[11], 10, 64)
 	stime, err2 := strconv.ParseInt(f[12], 10, 64)
 	if err1 != nil || err2 != nil {
 		b.Fatalf("/proc/%d/stat: utime %q stime %q", pid, f[11], f[12])
 	}
 	return time.Duration(utime+stime) * time.Second / clockTicksPerSecond
+}
+
+// procStat is /proc/PID/stat split into the fields after the command
+// (which may hold spaces, in parentheses): the state is f[0], majflt
+// f[9], utime and stime f[11] and f[12].
+func procStat(b testing.TB, pid int) []string {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return strings.Fields(string(data[bytes.LastIndexByte(data, ')')+1:]))
 }
 
 // controlPlaneCPU is the CPU time this test's kube-apiserver and etcd have
@@ -344,14 +344,7 @@ func procField(pid int, field string) string {
 // majorFaults is the process's major page faults so far (/proc/PID/stat
 // majflt): pages read from a file, here the agent's binary.
 func majorFaults(b testing.TB, pid int) int {
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		b.Fatal(err)
-	}
-	// The fields after the command (in parentheses, may hold spaces):
-	// state is field 3, majflt field 12.
-	rest := strings.Fields(string(data[strings.LastIndexByte(string(data), ')')+1:]))
-	n, err := strconv.Atoi(rest[9])
+	n, err := strconv.Atoi(procStat(b, pid)[9])
 	if err != nil {
 		b.Fatalf("majflt in /proc/%d/stat: %v", pid, err)
 	}
@@ -527,13 +520,11 @@ func BenchmarkIntegrationEnrollment(b *testing.B) {
 	oneFloor := w.enrollmentFloor(b, echo, 50, true, false)
 	b.StartTimer()
 	// Pods 50 to 249 in four rounds of 50 at once, each next to its floors
-	// measured right before or after it. One burst on a loaded two-core machine
-	// varies by a third from run to run, its floor as much: the figures
-	// are medians over the rounds. (Rounds later in the run, with 1,000
-	// pods and their netns on the node, were slower floors included,
-	// and noisier still.)
-	// Every other round runs inpod before its floors, so neither side
-	// always runs second.
+	// (before them every other round, so neither side always runs second).
+	// One burst on a loaded two-core machine varies by a third from run to
+	// run, its floor as much: the figures are medians over the rounds.
+	// (Rounds later in the run, with 1,000 pods and their netns on the
+	// node, were slower, floors included, and noisier still.)
 	var rounds []burstRound
 	for r := range 4 {
 		rounds = append(rounds, w.runBurstRound(b, echo, ztFloor, pid, pods, sandboxes, ip, 50+50*r, r%2 == 1))
@@ -569,38 +560,6 @@ func BenchmarkIntegrationEnrollment(b *testing.B) {
 	b.ReportMetric(mem250.rss, "agent-RSS-250-pods-MiB")
 	b.ReportMetric(float64(fdsBefore), "fds-before-cycles")
 	b.ReportMetric(float64(fdsAfter), "fds-after-1000-cycles")
-
-	// Reconcile after a restart: the 250 pods running as the kubelet
-	// reports them (status IPs, held by their netns; a process in the
-	// pod's cgroup), so the restarted agent finds each through procfs,
-	// checks its rules and hands its netns to ztunnel before it is ready.
-	for i := range total {
-		sandboxes[i].Exec(b, "ip", "addr", "add", ip(i)+"/32", "dev", "lo")
-		w.setRunning(pods[i], ip(i))
-		sandboxes[i].RunAsPod(b, string(pods[i].UID))
-	}
-	const restored = `inpod_enrollments_total{source="reconcile"}`
-	agentProc, fullRestart := w.restart(agentProc, bin)
-	if n := agentProc.metric(b, restored); n < total {
-		b.Errorf("the restarted agent was ready having restored %v pods, want %d", n, total)
-	}
-	b.ReportMetric(benchreport.Ms(fullRestart), "restart-250-pods-ready-ms")
-	b.ReportMetric(benchreport.Ms(emptyRestart), "restart-0-pods-ready-ms")
-
-	// 750 more, to 1,000 enrolled pods: what each pod costs. (After the
-	// restart above, so that it still timed 250 running pods.)
-	const more = 1000
-	for i := total; i < more; i++ {
-		pod, sandbox := w.pod("mesh", fmt.Sprintf("p%d", i))
-		pods, sandboxes = append(pods, pod), append(sandboxes, sandbox)
-	}
-	for i := total; i < more; i++ {
-		w.execCNI(b, "ADD", pods[i], sandboxes[i], ip(i))
-	}
-	w.eventually("1,000 workloads at ztunnel", func() bool { return len(w.standin.Workloads()) == more })
-	mem1000 := agentProc.memory(b)
-	agentProc.heapProfile(b, profiles, "heap-1000-pods")
-	b.ReportMetric(mem1000.rss, "agent-RSS-1000-pods-MiB")
 
 	// Per round, the p50 and p99 of each series; the figures are their
 	// medians over the rounds.
@@ -684,8 +643,41 @@ func BenchmarkIntegrationEnrollment(b *testing.B) {
 		FloorName: "0 enrolled pods", Floor: mem0.rss, Target: "≤ 40 MiB (#19)"})
 	benchreport.Record(b, benchreport.Figure{Section: section, Name: "agent's open fds after 1,000 enroll/remove cycles", Value: float64(fdsAfter), Unit: "count",
 		FloorName: "before the cycles", Floor: float64(fdsBefore), Target: "= before"})
+
+	// Reconcile after a restart: the 250 pods running as the kubelet
+	// reports them (status IPs, held by their netns; a process in the
+	// pod's cgroup), so the restarted agent finds each through procfs,
+	// checks its rules and hands its netns to ztunnel before it is ready.
+	for i := range total {
+		sandboxes[i].Exec(b, "ip", "addr", "add", ip(i)+"/32", "dev", "lo")
+		w.setRunning(pods[i], ip(i))
+		sandboxes[i].RunAsPod(b, string(pods[i].UID))
+	}
+	const restored = `inpod_enrollments_total{source="reconcile"}`
+	agentProc, fullRestart := w.restart(agentProc, bin)
+	if n := agentProc.metric(b, restored); n < total {
+		b.Errorf("the restarted agent was ready having restored %v pods, want %d", n, total)
+	}
+	b.ReportMetric(benchreport.Ms(fullRestart), "restart-250-pods-ready-ms")
+	b.ReportMetric(benchreport.Ms(emptyRestart), "restart-0-pods-ready-ms")
 	benchreport.Record(b, benchreport.Figure{Section: section, Name: "agent restarted (SIGKILL) with 250 running pods → ready, every pod reconciled",
 		Value: benchreport.Ms(fullRestart), Unit: "ms", FloorName: "the same restart with no pods", Floor: benchreport.Ms(emptyRestart)})
+
+	// 750 more, to 1,000 enrolled pods: what each pod costs. (After the
+	// restart above, so that it still timed 250 running pods.)
+	const more = 1000
+	for i := total; i < more; i++ {
+		pod, sandbox := w.pod("mesh", fmt.Sprintf("p%d", i))
+		pods, sandboxes = append(pods, pod), append(sandboxes, sandbox)
+	}
+	for i := total; i < more; i++ {
+		w.execCNI(b, "ADD", pods[i], sandboxes[i], ip(i))
+	}
+	w.eventually("1,000 workloads at ztunnel", func() bool { return len(w.standin.Workloads()) == more })
+	mem1000 := agentProc.memory(b)
+	agentProc.heapProfile(b, profiles, "heap-1000-pods")
+	b.ReportMetric(mem1000.rss, "agent-RSS-1000-pods-MiB")
+
 	benchreport.Record(b, benchreport.Figure{Section: section, Name: "agent RSS with 1,000 enrolled pods", Value: mem1000.rss, Unit: "MiB",
 		FloorName: "0 enrolled pods", Floor: mem0.rss})
 	benchreport.Record(b, benchreport.Figure{Section: section, Name: "agent RSS per enrolled pod, 250 → 1,000 pods", Value: (mem1000.rss - mem250.rss) * 1024 / (more - total), Unit: "KiB"})
