@@ -85,9 +85,10 @@ func (a *Agent) newGates(names []string) ([]Gate, error) {
 			}
 			g, err = deviceplugin.New(cfg)
 		case "dra":
-			// A client of its own: client-go rate-limits per client (5
-			// requests/s by default), and a burst of annotation patches
-			// on the shared one would hold back a taint by seconds.
+			// A client of its own (same limits, its own budget):
+			// client-go rate-limits per client, and a burst of
+			// annotation patches on the shared one must not hold back
+			// a taint.
 			var own kubernetes.Interface
 			if own, err = kubernetes.NewForConfig(rest.CopyConfig(a.restCfg)); err != nil {
 				return nil, err

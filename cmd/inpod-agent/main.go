@@ -36,6 +36,7 @@ func run() error {
 	}
 	fs := flag.NewFlagSet("inpod-agent", flag.ContinueOnError)
 	var cfg agent.Config
+	var kubeAPIQPS float64
 	fs.StringVar(&cfg.NodeName, "node-name", "", "this node's name (set it from the downward API: spec.nodeName)")
 	fs.StringVar(&cfg.Kubeconfig, "kubeconfig", "", "kubeconfig to use instead of the in-cluster service account")
 	fs.StringVar(&cfg.ZDSSocket, "zds-socket", zds.DefaultSocketPath, "the ZDS socket ztunnel connects to")
@@ -68,6 +69,8 @@ func run() error {
 	fs.StringVar(&cfg.DRA.RegistrarDir, "dra-registrar-dir", dra.DefaultRegistrarDir, "the kubelet's plugin registration directory (the dra gate registers there)")
 	fs.StringVar(&cfg.DRA.PluginDir, "dra-plugin-dir", dra.DefaultPluginDir, "the dra gate's own directory: its gRPC socket and its record of prepared claims (same path on the host and in the container)")
 	fs.DurationVar(&cfg.NodeCondition.StartupGrace, "node-condition-startup-grace", nodecondition.DefaultStartupGrace, "node-condition gate: when the Node's condition is already True at start (an agent restart), write nothing until the first ready verdict or until this passes, so a restart does not re-taint the node; negative: no grace")
+	fs.Float64Var(&kubeAPIQPS, "kube-api-qps", agent.DefaultKubeAPIQPS, "client-side limit of API requests per second, shared by the agent's writes (pod annotations, Events, the Node condition, token requests)")
+	fs.IntVar(&cfg.KubeAPIBurst, "kube-api-burst", agent.DefaultKubeAPIBurst, "client-side burst of API requests, at least --kube-api-qps")
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	err := envflag.Parse(fs, "inpod-agent: the inpod node agent (run as a DaemonSet with hostNetwork)", os.Args[1:])
 	if err == flag.ErrHelp {
@@ -80,6 +83,7 @@ func run() error {
 	if err := level.UnmarshalText([]byte(*logLevel)); err != nil {
 		return fmt.Errorf("invalid --log-level %q: %v", *logLevel, err)
 	}
+	cfg.KubeAPIQPS = float32(kubeAPIQPS)
 	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 	for _, ns := range strings.Split(*exclude, ",") {
 		if ns = strings.TrimSpace(ns); ns != "" {
