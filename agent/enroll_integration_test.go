@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/pem"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -15,14 +16,18 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	k8stypes "k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/inpod-dev/inpod/agent"
+	"github.com/inpod-dev/inpod/agent/enroll"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/netns"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
@@ -35,6 +40,28 @@ import (
 // proxy.
 func holdNamespaceList(t *testing.T, cp *cluster.ControlPlane) (kubeconfig string, release func()) {
 	t.Helper()
+	held := make(chan struct{})
+	var once sync.Once
+	release = func() { once.Do(func() { close(held) }) }
+	t.Cleanup(release)
+	kubeconfig = apiProxy(t, cp, func(r *http.Request) bool {
+		if r.Method == http.MethodGet && strings.TrimSuffix(r.URL.Path, "/") == "/api/v1/namespaces" {
+			select {
+			case <-held:
+			case <-r.Context().Done():
+				return false
+			}
+		}
+		return true
+	})
+	return kubeconfig, release
+}
+
+// apiProxy puts a proxy between the agent and the real apiserver that calls
+// before with each request and passes it on unless before says false. It
+// returns a kubeconfig for the proxy.
+func apiProxy(t *testing.T, cp *cluster.ControlPlane, before func(r *http.Request) bool) (kubeconfig string) {
+	t.Helper()
 	transport, err := rest.TransportFor(cp.Rest)
 	if err != nil {
 		t.Fatal(err)
@@ -46,22 +73,14 @@ func holdNamespaceList(t *testing.T, cp *cluster.ControlPlane) (kubeconfig strin
 	proxy := httputil.NewSingleHostReverseProxy(target)
 	proxy.Transport = transport
 	proxy.FlushInterval = -1 // watches stream
-	held := make(chan struct{})
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method == http.MethodGet && strings.TrimSuffix(r.URL.Path, "/") == "/api/v1/namespaces" {
-			select {
-			case <-held:
-			case <-r.Context().Done():
-				return
-			}
+		if before(r) {
+			proxy.ServeHTTP(w, r)
 		}
-		proxy.ServeHTTP(w, r)
 	}))
 	srv.EnableHTTP2 = true
 	srv.StartTLS()
-	var once sync.Once
-	release = func() { once.Do(func() { close(held) }) }
-	t.Cleanup(func() { release(); srv.CloseClientConnections(); srv.Close() })
+	t.Cleanup(func() { srv.CloseClientConnections(); srv.Close() })
 
 	cfg := clientcmdapi.NewConfig()
 	cfg.Clusters["proxy"] = &clientcmdapi.Cluster{Server: srv.URL,
@@ -73,7 +92,58 @@ func holdNamespaceList(t *testing.T, cp *cluster.ControlPlane) (kubeconfig strin
 	if err := clientcmd.WriteToFile(*cfg, kubeconfig); err != nil {
 		t.Fatal(err)
 	}
-	return kubeconfig, release
+	return kubeconfig
+}
+
+// An enrolled pod's updates that leave its annotation in place (each
+// kubelet status write; the periodic sandbox sweep takes the same path)
+// make the agent write nothing to the API; one that drops the annotation
+// makes it write it back once. Every node runs an agent, so a patch per
+// update would be API load proportional to all pod churn in the cluster.
+func TestIntegrationEnrolledPodUpdatesWriteNoAnnotation(t *testing.T) {
+	w := newWorld(t)
+	var patches atomic.Int64
+	w.cfg.Kubeconfig = apiProxy(t, w.cp, func(r *http.Request) bool {
+		if r.Method == http.MethodPatch && strings.HasPrefix(r.URL.Path, "/api/v1/namespaces/mesh/pods/") {
+			patches.Add(1)
+		}
+		return true
+	})
+	w.startInProcessAgent()
+	pod, sandbox := w.pod("mesh", "settled")
+	res, err := w.cniAdd(pod, sandbox)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.setRunning(pod, res.IPs[0].Address.IP.String())
+	w.eventually("the pod annotated enabled", func() bool { return w.annotation(pod) == enroll.AnnotationEnabled })
+	enrolling := patches.Load()
+
+	ctx := context.Background()
+	pods := w.client.CoreV1().Pods("mesh")
+	const updates = 10
+	for i := range updates {
+		p, err := pods.Get(ctx, pod.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Status.Message = fmt.Sprintf("status write %d", i)
+		if _, err := pods.UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The last update drops the annotation: the agent reconciles the pod's
+	// updates in order, so once it has written it back it has seen all the
+	// status writes before.
+	removal := []byte(`{"metadata":{"annotations":{"` + enroll.RedirectionAnnotation + `":null}}}`)
+	if _, err := pods.Patch(ctx, pod.Name, k8stypes.MergePatchType, removal, metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	w.eventually("the annotation written back", func() bool { return w.annotation(pod) == enroll.AnnotationEnabled })
+	if got := patches.Load() - enrolling; got != 1 {
+		t.Fatalf("the agent patched the pod %d times for %d status writes and one removed annotation, want once (the removal)", got, updates)
+	}
+	t.Logf("patches: %d while enrolling, 1 for %d status writes and a removed annotation", enrolling, updates)
 }
 
 // Invariant 1 at start-up: the CNI server answers before the watches have

@@ -856,8 +856,17 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 			}
 		}
 		// Converge the annotation (a crash between the reply and the
-		// patch must heal).
-		p.cfg.Annotations.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, AnnotationEnabled)
+		// patch, or someone removing it, must heal), but only when the
+		// pod lacks it: this runs on every update of every enrolled pod
+		// (each kubelet status write, the periodic sandbox sweep), and a
+		// patch that changes nothing is still an API write: one per
+		// status write of every enrolled pod, and one per enrolled pod
+		// per sweep, on every node. A
+		// stale cache costs one redundant patch, never a missing one:
+		// while the pod is in the table nothing asks for another value.
+		if pod.Annotations[RedirectionAnnotation] != AnnotationEnabled {
+			p.cfg.Annotations.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, AnnotationEnabled)
+		}
 	}
 	return nil
 }
