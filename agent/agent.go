@@ -341,7 +341,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		Probes:      p.probes,
 		Ztunnel:     ztunnelRef{&p.zds},
 		Pods:        p.pods,
-		Finder:      podnetns.Finder{ProcRoot: cfg.ProcRoot},
+		Finder:      podnetns.Finder{ProcRoot: cfg.ProcRoot, NodeNetNS: cfg.HostNetNS},
 		Annotations: p.annotations,
 		Events:      observe.NewEvents(ctx, p.client, cfg.NodeName),
 		Observer:    a.Metrics,

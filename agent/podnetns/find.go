@@ -29,6 +29,14 @@ type Finder struct {
 	// ProcRoot is the host's procfs (default /proc; /host/proc when the
 	// agent runs in a container with the host's mounted there).
 	ProcRoot string
+	// NodeNetNS is the node's network namespace (a path). Processes in it
+	// are passed over before their cgroup is read: an enrolled pod never
+	// runs on the node's network, so its netns is never the answer (and
+	// rules installed there would redirect the node), and on a node most
+	// processes are in it (kernel threads, system daemons, host-network
+	// pods), while reading a process's cgroup costs several times the
+	// stat that tells its netns. Empty: every process is considered.
+	NodeNetNS string
 }
 
 type candidate struct {
@@ -37,8 +45,9 @@ type candidate struct {
 }
 
 // Find returns the netns of the pod with the given UID: among the processes
-// whose cgroup names the pod, the oldest whose network namespace has an
-// interface holding one of ips. The caller owns the returned file.
+// whose cgroup names the pod, outside the node's netns, the oldest whose
+// network namespace has an interface holding one of ips. The caller owns
+// the returned file.
 //
 // Both checks matter: the cgroup ties a process to the pod (a container
 // process could otherwise claim any pod's IP), and the IP check ties the
@@ -56,12 +65,27 @@ func (f Finder) Find(uid string, ips []netip.Addr) (*os.File, error) {
 	if err != nil {
 		return nil, fmt.Errorf("podnetns: read %s: %w", root, err)
 	}
+	var node netns.Identity
+	skipNode := false
+	if f.NodeNetNS != "" {
+		if node, err = netns.IdentityOfPath(f.NodeNetNS); err != nil {
+			return nil, fmt.Errorf("podnetns: the node's netns: %w", err)
+		}
+		skipNode = true
+	}
 	needles := []string{"pod" + uid, "pod" + strings.ReplaceAll(uid, "-", "_")}
 	var cands []candidate
 	for _, e := range entries {
 		pid, err := strconv.Atoi(e.Name())
 		if err != nil {
 			continue
+		}
+		if skipNode {
+			// A process whose netns cannot be stat'ed (gone, or not
+			// ours to inspect) could not be opened below either.
+			if id, err := netns.IdentityOfPath(filepath.Join(root, e.Name(), "ns", "net")); err != nil || id == node {
+				continue
+			}
 		}
 		if !inPodCgroup(filepath.Join(root, e.Name(), "cgroup"), needles) {
 			continue

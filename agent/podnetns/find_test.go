@@ -2,22 +2,24 @@ package podnetns_test
 
 import (
 	"errors"
-
+	"fmt"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"testing"
+	"time"
 
 	"github.com/inpod-dev/inpod/agent/podnetns"
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 )
 
 // podCgroup makes a cgroup named like the kubelet's (cgroupfs driver) and
 // removes it at cleanup.
-func podCgroup(t *testing.T, uid string) string {
+func podCgroup(t testing.TB, uid string) string {
 	t.Helper()
 	dir := filepath.Join("/sys/fs/cgroup/pids", "inpod-test-kubepods", "besteffort", "pod"+uid)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -33,7 +35,7 @@ func podCgroup(t *testing.T, uid string) string {
 
 // sleeper starts a process inside ns (or the host netns when ns is nil),
 // optionally in a cgroup, and kills it at cleanup.
-func sleeper(t *testing.T, ns *netnstest.NetNS, cgroup string) int {
+func sleeper(t testing.TB, ns *netnstest.NetNS, cgroup string) int {
 	t.Helper()
 	args := []string{"sleep", "300"}
 	if ns != nil {
@@ -44,6 +46,18 @@ func sleeper(t *testing.T, ns *netnstest.NetNS, cgroup string) int {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	if ns != nil {
+		// ip netns exec enters the netns after the fork: until then the
+		// process is in the test's.
+		want, err := netns.IdentityOfPath(ns.Path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		testkit.Eventually(t, 10*time.Second, "the sleeper in its netns", func() bool {
+			got, err := netns.IdentityOfPath(fmt.Sprintf("/proc/%d/ns/net", cmd.Process.Pid))
+			return err == nil && got == want
+		})
+	}
 	if cgroup != "" {
 		if err := os.WriteFile(filepath.Join(cgroup, "cgroup.procs"), []byte(strconv.Itoa(cmd.Process.Pid)), 0o644); err != nil {
 			t.Fatal(err)
@@ -83,5 +97,54 @@ func TestFindMatchesCgroupAndIP(t *testing.T) {
 	_, err = podnetns.Finder{}.Find("00000000-0000-0000-0000-000000000000", []netip.Addr{netip.MustParseAddr("198.51.100.20")})
 	if !errors.Is(err, podnetns.ErrNotFound) {
 		t.Fatalf("Find for another uid = %v, want ErrNotFound", err)
+	}
+}
+
+// A process of the pod in the node's netns is never the answer, even when
+// that netns holds the pod's IP: rules installed there would redirect the
+// node. (The node here is a netns of the test's, standing in for the real
+// one.)
+func TestFindPassesOverTheNodesNetns(t *testing.T) {
+	netnstest.RequireRoot(t)
+	uid := "7a2b3c4d-5e6f-4a7b-8c9d-0e1f2a3b4c5d"
+	cg := podCgroup(t, uid)
+	node, pod := netnstest.New(t), netnstest.New(t)
+	both, nodeOnly := netip.MustParseAddr("198.51.100.30"), netip.MustParseAddr("198.51.100.31")
+	node.Exec(t, "ip", "addr", "add", both.String()+"/32", "dev", "lo")
+	node.Exec(t, "ip", "addr", "add", nodeOnly.String()+"/32", "dev", "lo")
+	pod.Exec(t, "ip", "addr", "add", both.String()+"/32", "dev", "lo")
+	sleeper(t, node, cg)
+	sleeper(t, pod, cg)
+	nodeID, _ := netns.IdentityOfPath(node.Path)
+	podID, _ := netns.IdentityOfPath(pod.Path)
+	finder := podnetns.Finder{NodeNetNS: node.Path}
+
+	f, err := finder.Find(uid, []netip.Addr{both})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _ := netns.IdentityOf(int(f.Fd()))
+	f.Close()
+	if got != podID {
+		t.Errorf("found netns %v, want the pod's %v (the node's is %v)", got, podID, nodeID)
+	}
+
+	// Only the node's netns holds the IP: without the node named, the
+	// node is what a scan finds; with it, nothing is.
+	f, err = podnetns.Finder{}.Find(uid, []netip.Addr{nodeOnly})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _ = netns.IdentityOf(int(f.Fd()))
+	f.Close()
+	if got != nodeID {
+		t.Fatalf("without NodeNetNS found %v, want the node's %v (the premise of this test)", got, nodeID)
+	}
+	if _, err := finder.Find(uid, []netip.Addr{nodeOnly}); !errors.Is(err, podnetns.ErrNotFound) {
+		t.Fatalf("Find with only the node's netns holding the IP = %v, want ErrNotFound", err)
+	}
+
+	if _, err := (podnetns.Finder{NodeNetNS: "/nonexistent"}).Find(uid, []netip.Addr{both}); err == nil || errors.Is(err, podnetns.ErrNotFound) {
+		t.Fatalf("Find with an unreadable node netns = %v, want an error naming it", err)
 	}
 }

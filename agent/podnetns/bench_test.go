@@ -1,0 +1,65 @@
+package podnetns_test
+
+import (
+	"fmt"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/inpod-dev/inpod/agent/podnetns"
+	"github.com/inpod-dev/inpod/internal/benchreport"
+	"github.com/inpod-dev/inpod/netns/netnstest"
+)
+
+// hostProcesses is how many extra processes the benchmark runs in the
+// node's netns, on top of the machine's own: a node's daemons, kernel
+// threads and host-network pods.
+const hostProcesses = 200
+
+// BenchmarkFind measures one procfs scan for a running pod's netns, the
+// work behind the agent's sandbox checks (PreStartContainer, a status that
+// says the sandbox may be new, the periodic sweep, restart), with the node's
+// netns passed over before reading each process's cgroup against reading
+// every process's cgroup (how Find scanned before), on this machine's procfs
+// plus hostProcesses sleepers in the node's netns.
+func BenchmarkFind(b *testing.B) {
+	netnstest.RequireRoot(b)
+	uid := "8b3c4d5e-6f7a-4b8c-9d0e-1f2a3b4c5d6e"
+	cg := podCgroup(b, uid)
+	pod := netnstest.New(b)
+	ip := netip.MustParseAddr("198.51.100.40")
+	pod.Exec(b, "ip", "addr", "add", ip.String()+"/32", "dev", "lo")
+	sleeper(b, pod, cg)
+	for range hostProcesses {
+		sleeper(b, nil, "")
+	}
+	variants := []struct {
+		name   string
+		finder podnetns.Finder
+		took   []time.Duration
+	}{
+		{name: "node netns passed over", finder: podnetns.Finder{NodeNetNS: "/proc/self/ns/net"}},
+		{name: "every cgroup read", finder: podnetns.Finder{}},
+	}
+	b.ResetTimer()
+	for range b.N {
+		for i := range variants {
+			v := &variants[i]
+			start := time.Now()
+			f, err := v.finder.Find(uid, []netip.Addr{ip})
+			v.took = append(v.took, time.Since(start))
+			if err != nil {
+				b.Fatalf("%s: %v", v.name, err)
+			}
+			f.Close()
+		}
+	}
+	b.StopTimer()
+	med := func(ds []time.Duration) float64 { return benchreport.Ms(benchreport.Percentile(ds, 50)) }
+	fast, all := med(variants[0].took), med(variants[1].took)
+	b.ReportMetric(fast, "find-ms")
+	b.ReportMetric(all, "find-every-cgroup-ms")
+	benchreport.Record(b, benchreport.Figure{Section: "Sandbox checks (procfs)",
+		Name:  fmt.Sprintf("find a running pod's netns, node netns passed over (median; this machine + %d node processes)", hostProcesses),
+		Value: fast, Unit: "ms", FloorName: "the same scan reading every process's cgroup", Floor: all})
+}
