@@ -310,6 +310,10 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	if p.hostNS, err = netns.Open(cfg.HostNetNS); err != nil {
 		return nil, fmt.Errorf("agent: node netns: %w", err)
 	}
+	nodeID, err := netns.IdentityOf(int(p.hostNS.Fd()))
+	if err != nil {
+		return nil, fmt.Errorf("agent: node netns: %w", err)
+	}
 	backend, det, err := redirect.NewBackend(cfg.RedirectBackend, p.hostNS)
 	if err != nil {
 		return nil, fmt.Errorf("agent: redirection backend: %w", err)
@@ -341,7 +345,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		Probes:      p.probes,
 		Ztunnel:     ztunnelRef{&p.zds},
 		Pods:        p.pods,
-		Finder:      podnetns.Finder{ProcRoot: cfg.ProcRoot, NodeNetNS: cfg.HostNetNS},
+		Finder:      podnetns.Finder{ProcRoot: cfg.ProcRoot, NodeNetNS: nodeID},
 		Annotations: p.annotations,
 		Events:      observe.NewEvents(ctx, p.client, cfg.NodeName),
 		Observer:    a.Metrics,

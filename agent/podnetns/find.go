@@ -29,14 +29,16 @@ type Finder struct {
 	// ProcRoot is the host's procfs (default /proc; /host/proc when the
 	// agent runs in a container with the host's mounted there).
 	ProcRoot string
-	// NodeNetNS is the node's network namespace (a path). Processes in it
+	// NodeNetNS is the node's network namespace, identified once when
+	// the agent opens it (not through /proc/self, whose netns is the main
+	// thread's, and a goroutine may have entered a pod's on it). Processes in it
 	// are passed over before their cgroup is read: an enrolled pod never
 	// runs on the node's network, so its netns is never the answer (and
 	// rules installed there would redirect the node), and on a node most
 	// processes are in it (kernel threads, system daemons, host-network
 	// pods), while reading a process's cgroup costs several times the
-	// stat that tells its netns. Empty: every process is considered.
-	NodeNetNS string
+	// stat that tells its netns. Zero: every process is considered.
+	NodeNetNS netns.Identity
 }
 
 type candidate struct {
@@ -65,14 +67,7 @@ func (f Finder) Find(uid string, ips []netip.Addr) (*os.File, error) {
 	if err != nil {
 		return nil, fmt.Errorf("podnetns: read %s: %w", root, err)
 	}
-	var node netns.Identity
-	skipNode := false
-	if f.NodeNetNS != "" {
-		if node, err = netns.IdentityOfPath(f.NodeNetNS); err != nil {
-			return nil, fmt.Errorf("podnetns: the node's netns: %w", err)
-		}
-		skipNode = true
-	}
+	skipNode := f.NodeNetNS != (netns.Identity{})
 	needles := []string{"pod" + uid, "pod" + strings.ReplaceAll(uid, "-", "_")}
 	var cands []candidate
 	for _, e := range entries {
@@ -83,7 +78,7 @@ func (f Finder) Find(uid string, ips []netip.Addr) (*os.File, error) {
 		if skipNode {
 			// A process whose netns cannot be stat'ed (gone, or not
 			// ours to inspect) could not be opened below either.
-			if id, err := netns.IdentityOfPath(filepath.Join(root, e.Name(), "ns", "net")); err != nil || id == node {
+			if id, err := netns.IdentityOfPath(filepath.Join(root, e.Name(), "ns", "net")); err != nil || id == f.NodeNetNS {
 				continue
 			}
 		}
