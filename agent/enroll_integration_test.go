@@ -140,10 +140,14 @@ func TestIntegrationEnrolledPodUpdatesWriteNoAnnotation(t *testing.T) {
 		t.Fatal(err)
 	}
 	w.eventually("the annotation written back", func() bool { return w.annotation(pod) == enroll.AnnotationEnabled })
-	if got := patches.Load() - enrolling; got != 1 {
-		t.Fatalf("the agent patched the pod %d times for %d status writes and one removed annotation, want once (the removal)", got, updates)
+	// One for the removal, and at most one more: the reconcile of
+	// setRunning's update may still have read "pending" from a cache that
+	// had not yet seen "enabled", after enrolling was sampled. Before the
+	// fix every status write was a patch (11 here).
+	if got := patches.Load() - enrolling; got < 1 || got > 2 {
+		t.Fatalf("the agent patched the pod %d times for %d status writes and one removed annotation, want the removal's patch and at most one stale-cache patch", got, updates)
 	}
-	t.Logf("patches: %d while enrolling, 1 for %d status writes and a removed annotation", enrolling, updates)
+	t.Logf("patches: %d while enrolling, %d for %d status writes and a removed annotation", enrolling, patches.Load()-enrolling, updates)
 }
 
 // Invariant 1 at start-up: the CNI server answers before the watches have
