@@ -862,8 +862,11 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 		// patch that changes nothing is still an API write: one per
 		// status write of every enrolled pod, and one per enrolled pod
 		// per sweep, on every node. A
-		// stale cache costs one redundant patch, never a missing one:
-		// while the pod is in the table nothing asks for another value.
+		// stale cache costs one redundant patch. A missing one heals
+		// here too: the writer is keyed by name, so the unenroll of an
+		// older pod of the same name (a StatefulSet pod back under a new
+		// UID before its old one's DEL) can remove it once; the watch
+		// delivers that removal and this writes it back.
 		if pod.Annotations[RedirectionAnnotation] != AnnotationEnabled {
 			p.cfg.Annotations.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, AnnotationEnabled)
 		}
