@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"path/filepath"
 	"time"
@@ -193,14 +194,16 @@ func New(cfg Config) (*Agent, error) {
 	if cfg.PluginServiceAccount == "" {
 		cfg.PluginServiceAccount = DefaultPluginServiceAccount
 	}
-	if cfg.KubeAPIQPS < 0 || cfg.KubeAPIBurst < 0 {
-		return nil, fmt.Errorf("agent: negative --kube-api-qps %v or --kube-api-burst %d", cfg.KubeAPIQPS, cfg.KubeAPIBurst)
+	if !(cfg.KubeAPIQPS >= 0) || cfg.KubeAPIBurst < 0 { // NaN too
+		return nil, fmt.Errorf("agent: --kube-api-qps %v or --kube-api-burst %d is not a usable rate limit", cfg.KubeAPIQPS, cfg.KubeAPIBurst)
 	}
 	if cfg.KubeAPIQPS == 0 {
 		cfg.KubeAPIQPS = DefaultKubeAPIQPS
 	}
 	if cfg.KubeAPIBurst == 0 {
-		cfg.KubeAPIBurst = DefaultKubeAPIBurst
+		// Unset: never below the rate, so a higher --kube-api-qps alone
+		// works.
+		cfg.KubeAPIBurst = max(DefaultKubeAPIBurst, int(math.Ceil(float64(cfg.KubeAPIQPS))))
 	}
 	if float32(cfg.KubeAPIBurst) < cfg.KubeAPIQPS {
 		return nil, fmt.Errorf("agent: --kube-api-burst %d is below --kube-api-qps %v: client-go would never reach the rate", cfg.KubeAPIBurst, cfg.KubeAPIQPS)

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -30,6 +31,7 @@ current-context: x
 		{0, 0, DefaultKubeAPIQPS, DefaultKubeAPIBurst},
 		{100, 200, 100, 200},
 		{2, 0, 2, DefaultKubeAPIBurst},
+		{100, 0, 100, 100},
 	} {
 		a, err := New(Config{NodeName: "n", Kubeconfig: kubeconfig, Gate: "none", KubeAPIQPS: tc.qps, KubeAPIBurst: tc.burst})
 		if err != nil {
@@ -48,8 +50,9 @@ func TestNewRejectsUnusableAPIRateLimits(t *testing.T) {
 		burst int
 		want  string
 	}{
-		{-1, 0, "negative"},
-		{0, -1, "negative"},
+		{-1, 0, "not a usable rate limit"},
+		{float32(math.NaN()), 0, "not a usable rate limit"},
+		{0, -1, "not a usable rate limit"},
 		{100, 10, "below --kube-api-qps"},
 	} {
 		_, err := New(Config{NodeName: "n", KubeAPIQPS: tc.qps, KubeAPIBurst: tc.burst})

@@ -856,17 +856,14 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 			}
 		}
 		// Converge the annotation (a crash between the reply and the
-		// patch, or someone removing it, must heal), but only when the
-		// pod lacks it: this runs on every update of every enrolled pod
-		// (each kubelet status write, the periodic sandbox sweep), and a
-		// patch that changes nothing is still an API write: one per
-		// status write of every enrolled pod, and one per enrolled pod
-		// per sweep, on every node. A
-		// stale cache costs one redundant patch. A missing one heals
-		// here too: the writer is keyed by name, so the unenroll of an
-		// older pod of the same name (a StatefulSet pod back under a new
-		// UID before its old one's DEL) can remove it once; the watch
-		// delivers that removal and this writes it back.
+		// patch, or someone removing it, must heal), only when the pod
+		// lacks it: this runs on every update of every enrolled pod and
+		// every sweep, and a patch that changes nothing is still an API
+		// write. A stale cache costs one redundant patch. The writer is
+		// keyed by name, so the unenroll of an older pod of the same name
+		// (a StatefulSet pod back under a new UID before its old one's
+		// DEL) can remove it once; the watch delivers that and this
+		// writes it back.
 		if pod.Annotations[RedirectionAnnotation] != AnnotationEnabled {
 			p.cfg.Annotations.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, AnnotationEnabled)
 		}

@@ -29,15 +29,14 @@ type Finder struct {
 	// ProcRoot is the host's procfs (default /proc; /host/proc when the
 	// agent runs in a container with the host's mounted there).
 	ProcRoot string
-	// NodeNetNS is the node's network namespace, identified once when
-	// the agent opens it (not through /proc/self, whose netns is the main
-	// thread's, and a goroutine may have entered a pod's on it). Processes in it
-	// are passed over before their cgroup is read: an enrolled pod never
-	// runs on the node's network, so its netns is never the answer (and
-	// rules installed there would redirect the node), and on a node most
-	// processes are in it (kernel threads, system daemons, host-network
-	// pods), while reading a process's cgroup costs several times the
-	// stat that tells its netns. Zero: every process is considered.
+	// NodeNetNS is the node's network namespace, identified once from
+	// the agent's open handle on it (not through /proc/self, whose netns
+	// is the main thread's, which a goroutine may have moved into a
+	// pod's). Its processes are passed over before their cgroup is read:
+	// an enrolled pod never runs on the node's network (rules there would
+	// redirect the node), most of a node's processes do (kernel threads,
+	// daemons, host-network pods), and reading a cgroup costs several
+	// times the stat that tells the netns. Zero: every process counts.
 	NodeNetNS netns.Identity
 }
 

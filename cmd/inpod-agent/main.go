@@ -70,7 +70,7 @@ func run() error {
 	fs.StringVar(&cfg.DRA.PluginDir, "dra-plugin-dir", dra.DefaultPluginDir, "the dra gate's own directory: its gRPC socket and its record of prepared claims (same path on the host and in the container)")
 	fs.DurationVar(&cfg.NodeCondition.StartupGrace, "node-condition-startup-grace", nodecondition.DefaultStartupGrace, "node-condition gate: when the Node's condition is already True at start (an agent restart), write nothing until the first ready verdict or until this passes, so a restart does not re-taint the node; negative: no grace")
 	fs.Float64Var(&kubeAPIQPS, "kube-api-qps", agent.DefaultKubeAPIQPS, "client-side limit of API requests per second, shared by the agent's writes (pod annotations, Events, the Node condition, token requests)")
-	fs.IntVar(&cfg.KubeAPIBurst, "kube-api-burst", agent.DefaultKubeAPIBurst, "client-side burst of API requests, at least --kube-api-qps")
+	fs.IntVar(&cfg.KubeAPIBurst, "kube-api-burst", 0, fmt.Sprintf("client-side burst of API requests, at least --kube-api-qps (0: %d, or --kube-api-qps if higher)", agent.DefaultKubeAPIBurst))
 	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
 	err := envflag.Parse(fs, "inpod-agent: the inpod node agent (run as a DaemonSet with hostNetwork)", os.Args[1:])
 	if err == flag.ErrHelp {
