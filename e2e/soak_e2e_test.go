@@ -56,7 +56,8 @@ import (
 //     stopped, or replaced: a later "start" in its record; no other one
 //     acked it yet) takes the listeners along (as a ztunnel crash does;
 //     the pod stays redirected). No stand-in may close the workload
-//     (its record's "del") in that window unless the label flipped. Its
+//     (its record's "del") in that window unless the label flipped (from
+//     2 s before its ack on: the agent sees a flip late). Its
 //     current netns must
 //     hold the redirection rules (unless its namespace's label changed
 //     since, when the agent may rightly have removed them);
@@ -934,8 +935,12 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, round *
 		// closes the listeners): either outcome is right then.
 		ackedAt := holdingAck(records, string(p.UID), id, holdCutoff)
 		// A flip since the first ack: its Del may land after a later one.
+		// The window opens 2 s before the ack, as the creation window
+		// does: the agent's informer sees the label a moment after the
+		// API server took it, so an ADD in that moment is still enrolled
+		// (and acked) under the old label, then removed by the new one.
 		flippedSinceAck := func() bool {
-			_, constant := s.labelledOver(sp.ns, firstAck(records, string(p.UID), id), readBy)
+			_, constant := s.labelledOver(sp.ns, firstAck(records, string(p.UID), id).Add(-2*time.Second), readBy)
 			return !constant
 		}
 		if listeners == "[]" && !s.standinGoneBetween(records, string(p.UID), id, ackedAt, readBy) && !flippedSinceAck() {
