@@ -617,15 +617,18 @@ func (s *soak) fault(kind string, r *rand.Rand) error {
 			value = strconv.Quote(enroll.DataplaneAmbient)
 		}
 		patch := fmt.Sprintf(`{"metadata":{"labels":{%q:%s}}}`, enroll.DataplaneModeLabel, value)
-		sent := time.Now()
-		if _, err := client.CoreV1().Namespaces().Patch(s.ctx, "flip", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
-			return err
-		}
+		// Recorded before the PATCH is sent: the agent can act on the
+		// change (a Del) before the PATCH returns, and a judge round in
+		// between must know of it. Kept when the PATCH fails, which may
+		// still have been applied; a history with a change that did not
+		// happen only judges more leniently. The window rule widens by
+		// 2 s either side anyway.
 		s.mu.Lock()
-		// The change took effect between sent and now: the window rule
-		// widens by 2 s either side anyway.
-		s.labels = append(s.labels, labelChange{at: sent, labelled: to})
+		s.labels = append(s.labels, labelChange{at: time.Now(), labelled: to})
 		s.mu.Unlock()
+		if _, err := client.CoreV1().Namespaces().Patch(s.ctx, "flip", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+			return fmt.Errorf("namespace flip to labelled=%v (kept in the judge's history, it may have been applied): %w", to, err)
+		}
 		s.logf("namespace flip labelled=%v", to)
 		for range 3 {
 			s.create("flip")
@@ -755,6 +758,22 @@ func (s *soak) labelledOver(ns string, from, to time.Time) (labelled, constant b
 		}
 	}
 	return state, true
+}
+
+// unlabelledWithin says whether the pod's namespace lost its label within
+// (from, to].
+func (s *soak) unlabelledWithin(ns string, from, to time.Time) bool {
+	if ns != "flip" {
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, c := range s.labels[1:] {
+		if !c.labelled && c.at.After(from) && !c.at.After(to) {
+			return true
+		}
+	}
+	return false
 }
 
 func (s *soak) downDuring(from, to time.Time) time.Duration {
@@ -934,14 +953,16 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, round *
 		// flip in between takes the pod out of the mesh again (its Del
 		// closes the listeners): either outcome is right then.
 		ackedAt := holdingAck(records, string(p.UID), id, holdCutoff)
-		// A flip since the first ack: its Del may land after a later one.
-		// The window opens 2 s before the ack, as the creation window
-		// does: the agent's informer sees the label a moment after the
-		// API server took it, so an ADD in that moment is still enrolled
-		// (and acked) under the old label, then removed by the new one.
+		// The namespace unlabelled since the first ack: its Del may land
+		// after a later one. The window opens 2 s before the ack, as the
+		// creation window does: the agent's informer sees the label a
+		// moment after the API server took it, so an ADD in that moment
+		// is still enrolled (and acked) under the old label, then removed
+		// by the new one. Only a change to unlabelled counts: labelling
+		// never justifies a Del.
 		flippedSinceAck := func() bool {
-			_, constant := s.labelledOver(sp.ns, firstAck(records, string(p.UID), id).Add(-2*time.Second), readBy)
-			return !constant
+			first := firstAck(records, string(p.UID), id)
+			return !first.IsZero() && s.unlabelledWithin(sp.ns, first.Add(-2*time.Second), readBy)
 		}
 		if listeners == "[]" && !s.standinGoneBetween(records, string(p.UID), id, ackedAt, readBy) && !flippedSinceAck() {
 			s.violate("enrolled %s: an Add was acknowledged for its netns %s at %s, yet ztunnel's listeners were not there at the app's start (%s to %s) and a stand-in held it throughout (none killed, stopped or restarted with no other holding it); the stand-ins' record of uid %s:\n%s",
