@@ -56,8 +56,8 @@ import (
 //     stopped, or replaced: a later "start" in its record; no other one
 //     acked it yet) takes the listeners along (as a ztunnel crash does;
 //     the pod stays redirected). No stand-in may close the workload
-//     (its record's "del") in that window unless the label flipped (from
-//     2 s before its ack on: the agent sees a flip late). Its
+//     (its record's "del") in that window unless its namespace lost the
+//     label (from 2 s before its ack on: the agent sees a flip late). Its
 //     current netns must
 //     hold the redirection rules (unless its namespace's label changed
 //     since, when the agent may rightly have removed them);
@@ -960,15 +960,15 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, round *
 		// is still enrolled (and acked) under the old label, then removed
 		// by the new one. Only a change to unlabelled counts: labelling
 		// never justifies a Del.
-		flippedSinceAck := func() bool {
+		unlabelledSinceAck := func() bool {
 			first := firstAck(records, string(p.UID), id)
 			return !first.IsZero() && s.unlabelledWithin(sp.ns, first.Add(-2*time.Second), readBy)
 		}
-		if listeners == "[]" && !s.standinGoneBetween(records, string(p.UID), id, ackedAt, readBy) && !flippedSinceAck() {
+		if listeners == "[]" && !s.standinGoneBetween(records, string(p.UID), id, ackedAt, readBy) && !unlabelledSinceAck() {
 			s.violate("enrolled %s: an Add was acknowledged for its netns %s at %s, yet ztunnel's listeners were not there at the app's start (%s to %s) and a stand-in held it throughout (none killed, stopped or restarted with no other holding it); the stand-ins' record of uid %s:\n%s",
 				key, id, ackedAt.UTC().Format("15:04:05.000000"), appStart.UTC().Format("15:04:05.000000"), readBy.UTC().Format("15:04:05.000000"), p.UID, recordOf(records, string(p.UID)))
 		}
-		if at, ok := delBetween(records, string(p.UID), ackedAt, readBy); ok && !flippedSinceAck() {
+		if at, ok := delBetween(records, string(p.UID), ackedAt, readBy); ok && !unlabelledSinceAck() {
 			s.violate("enrolled %s: a stand-in closed its workload (a Del, or left out of a snapshot) at %s, after its Add's ack at %s and before the app's start was over (%s); the stand-ins' record of uid %s:\n%s",
 				key, at.UTC().Format("15:04:05.000000"), ackedAt.UTC().Format("15:04:05.000000"), readBy.UTC().Format("15:04:05.000000"), p.UID, recordOf(records, string(p.UID)))
 		}
