@@ -36,6 +36,7 @@ import (
 	"github.com/inpod-dev/inpod/agent/cniinstall"
 	"github.com/inpod-dev/inpod/agent/cniserver"
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/agent/enrolledrecord"
 	"github.com/inpod-dev/inpod/agent/observe"
 	"github.com/inpod-dev/inpod/agent/podnetns"
 	"github.com/inpod-dev/inpod/agent/redirect"
@@ -290,6 +291,8 @@ type pieces struct {
 	stopUninstallWatch chan struct{}
 	// Where the plugin finds what the agent writes for it.
 	passListPath, apiAccessPath string
+	// records is the node-local record of pods with rules.
+	records *enrolledrecord.Dir
 
 	// stopZDS ends the ZDS server, which outlives the other pieces;
 	// zdsDone is closed once it has stopped (nil: never started).
@@ -342,7 +345,12 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		return nil, err
 	}
 
+	// On the tmpfs next to the sockets: a reboot ends the sandboxes.
+	if p.records, err = enrolledrecord.Open(filepath.Join(filepath.Dir(cfg.CNISocket), enrolledRecordDir)); err != nil {
+		return nil, err
+	}
 	p.pipeline = enroll.New(enroll.Config{
+		Records:     p.records,
 		Policy:      policy,
 		Rules:       podRules{engine, redirect.Options{DNSCapture: cfg.DNSCapture}},
 		Probes:      p.probes,
@@ -588,10 +596,15 @@ func (a *Agent) Pipeline() *enroll.Pipeline { return a.pipeline }
 // reconciler retries what failed here.
 func (a *Agent) restore(ctx context.Context, pods *podCache, probes *redirect.HostProbes) {
 	all, _ := pods.pods.List(labels.Everything())
+	inCache := make(map[types.UID]bool, len(all))
 	for _, p := range all {
+		inCache[p.UID] = true
 		if err := a.pipeline.Restore(ctx, p); err != nil {
 			a.log.Warn("could not restore pod at start; will retry", "pod", p.Namespace+"/"+p.Name, "err", err)
 		}
+	}
+	if err := a.pipeline.PruneRecords(func(uid types.UID) bool { return inCache[uid] }); err != nil {
+		a.log.Warn("could not prune the records of pods gone from the node", "err", err)
 	}
 	if !a.pipeline.PruneSafe() {
 		// A stale exemption only SNATs probes; a missing one gets an
@@ -679,6 +692,10 @@ func podKey(obj any) (types.NamespacedName, bool) {
 
 // passListDir, next to the CNI socket, holds the pass list.
 const passListDir = "not-enrolled"
+
+// enrolledRecordDir, next to the CNI socket, holds the record of pods with
+// rules (package enrolledrecord).
+const enrolledRecordDir = "enrolled"
 
 func (a *Agent) refreshPassList(l *passlist.List, key types.NamespacedName) {
 	if err := l.Refresh(key.Namespace, key.Name); err != nil {

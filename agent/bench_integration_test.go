@@ -230,10 +230,9 @@ func (w *world) runBurstRound(b *testing.B, echo string, zt *zds.Server, agentPI
 	r.pluginCPU = time.Duration(childCPU.Load()-cpu0) / n
 	r.agentCPU = processCPU(b, agentPID) - agent0
 	r.controlPlaneCPU = w.controlPlaneCPU(b) - controlPlane0
-	// The agent writes each pod's annotation after its ADD, off the
-	// critical path and at client-go's default 5 requests/s, so most of
-	// them come after the burst (~10 s for 50): none of that may spill
-	// into the next measurement.
+	// The agent writes the pods' annotations off the ADDs' path, at its
+	// API rate limit, so some come after the burst: none of that may
+	// spill into the next measurement.
 	annotated()
 	if inpodFirst {
 		floors()

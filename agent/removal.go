@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"sync"
+	"syscall"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -311,6 +312,11 @@ func (a *Agent) removeFromNode(p *pieces) error {
 		errs = append(errs, err)
 	}
 	if err := os.RemoveAll(p.passListPath); err != nil {
+		errs = append(errs, err)
+	}
+	// Each pod taken out dropped its record; one left names a pod whose
+	// rules could not be removed, for a later install to find.
+	if err := os.Remove(p.records.Path()); err != nil && !errors.Is(err, os.ErrNotExist) && !errors.Is(err, syscall.ENOTEMPTY) {
 		errs = append(errs, err)
 	}
 	// Last, as the steps that need the API server. The gates have

@@ -60,6 +60,16 @@ type (
 	Annotations interface {
 		Set(pod types.NamespacedName, value string)
 	}
+	// Records is the node-local record of pods with rules
+	// (enrolledrecord.Dir): written before a pod's rules are applied, so a
+	// restarted agent knows every pod with rules, also one whose
+	// annotation never landed. See Restore.
+	Records interface {
+		Record(uid string) error
+		Forget(uid string) error
+		Recorded(uid string) bool
+		List() ([]string, error)
+	}
 	// Events reports failures on the pod, where users look.
 	Events interface {
 		Warn(pod *corev1.Pod, reason, message string)
@@ -85,9 +95,12 @@ type Config struct {
 	// (default DefaultSandboxCheckEvery).
 	SandboxCheckEvery time.Duration
 	Annotations       Annotations
-	Events            Events
-	Observer          Observer
-	Logger            *slog.Logger
+	// Records may be nil (tests of other parts): the annotation is then
+	// the only record.
+	Records  Records
+	Events   Events
+	Observer Observer
+	Logger   *slog.Logger
 }
 
 // Pipeline is the enrolled-pod table and the operations on it. Operations
@@ -288,16 +301,28 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	}
 	// Every failure below goes through abort, which undoes what this call
 	// did to a new sandbox and reports why.
-	var rulesWritten, published bool
+	var applied, rulesWritten, published, recorded bool
 	var exempted []netip.Addr // probe exemptions this call added
 	abort := func(f error) error {
 		if fromCNI && !sameSandbox {
 			if published {
 				p.unpublish(ctx, pod.UID, old)
 			}
+			// The record goes only once no rules can be in the netns: none
+			// applied, or this call's taken out again. Rules that were
+			// there already (an intact set is not rewritten) stay, and so
+			// does the record.
+			rulesOut := !applied
 			if rulesWritten {
 				if _, err := p.cfg.Rules.Remove(sb.netns); err != nil {
 					p.log.Error("could not take the rules out of a sandbox whose start failed", "pod", key, "err", err)
+				} else {
+					rulesOut = true
+				}
+			}
+			if recorded && rulesOut {
+				if err := p.forget(pod.UID); err != nil {
+					p.log.Warn("could not drop the record of a sandbox whose start failed; the next agent treats the pod as enrolled once", "pod", key, "err", err)
 				}
 			}
 		}
@@ -319,8 +344,13 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	}
 
 	if old == nil {
+		if err := p.record(pod.UID); err != nil {
+			return abort(fail("RecordFailed", "record the pod as enrolled on the node before its rules: %v", err))
+		}
+		recorded = true
 		p.cfg.Annotations.Set(key, AnnotationPending)
 	}
+	applied = true
 	changed, err := p.cfg.Rules.Apply(sb.netns)
 	rulesWritten = changed
 	if err != nil {
@@ -638,6 +668,9 @@ func (p *Pipeline) unenroll(ctx context.Context, uid types.UID, e *entry) error 
 		return err
 	}
 	e.netns.Close()
+	if err := p.forget(uid); err != nil {
+		p.log.Warn("could not drop the pod's record; the next agent treats it as enrolled once", "pod", e.pod, "err", err)
+	}
 	p.cfg.Annotations.Set(e.pod, "")
 	p.cfg.Observer.Removed()
 	p.log.Info("pod removed from the mesh", "pod", e.pod, "uid", uid)
@@ -764,13 +797,63 @@ func annotated(pod *corev1.Pod) bool {
 	return v == AnnotationEnabled || v == AnnotationPending
 }
 
+// enrolledBefore says whether a previous agent may have left rules in the
+// pod's netns: the pod carries the annotation, or the node's record names
+// it (its annotation may not have landed before that agent died).
+func (p *Pipeline) enrolledBefore(pod *corev1.Pod) bool {
+	return annotated(pod) || p.cfg.Records != nil && p.cfg.Records.Recorded(string(pod.UID))
+}
+
+func (p *Pipeline) record(uid types.UID) error {
+	if p.cfg.Records == nil {
+		return nil
+	}
+	return p.cfg.Records.Record(string(uid))
+}
+
+func (p *Pipeline) forget(uid types.UID) error {
+	if p.cfg.Records == nil {
+		return nil
+	}
+	return p.cfg.Records.Forget(string(uid))
+}
+
+// PruneRecords drops the records of pods that are neither enrolled nor
+// held, and not in the agent's cache (live): their pods are gone, and so
+// are their sandboxes. Run it after restoring, when every pod a record
+// names that is still in the API has been restored, held or released.
+func (p *Pipeline) PruneRecords(live func(uid types.UID) bool) error {
+	if p.cfg.Records == nil {
+		return nil
+	}
+	uids, err := p.cfg.Records.List()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, s := range uids {
+		uid := types.UID(s)
+		if live(uid) {
+			continue
+		}
+		unlock := p.lock(uid)
+		if p.entry(uid) == nil && p.heldPod(uid) == nil {
+			if err := p.cfg.Records.Forget(s); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		unlock()
+	}
+	return errors.Join(errs...)
+}
+
 func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring bool) error {
 	defer p.lock(pod.UID)()
 	h := p.heldPod(pod.UID)
 	// hold keeps a pod that was in the mesh before this agent and is not
 	// in its table in every snapshot (as Keep) until it is settled.
 	hold := func(ips []netip.Addr) {
-		if h == nil && !(restoring && annotated(pod)) || p.entry(pod.UID) != nil {
+		if h == nil && !(restoring && p.enrolledBefore(pod)) || p.entry(pod.UID) != nil {
 			return
 		}
 		if len(ips) == 0 && h != nil {
@@ -811,7 +894,7 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 	case want && e == nil:
 		ips := podIPs(pod)
 		if len(ips) == 0 {
-			if h != nil || restoring && annotated(pod) {
+			if h != nil || restoring && p.enrolledBefore(pod) {
 				hold(nil)
 				return fmt.Errorf("pod %s/%s was enrolled but reports no IPs yet, so its netns cannot be found; held (ztunnel keeps its proxy)", pod.Namespace, pod.Name)
 			}
@@ -838,7 +921,7 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 			p.markRelabelledOut(pod)
 		}
 		return nil
-	case !want && (h != nil || restoring && annotated(pod)):
+	case !want && (h != nil || restoring && p.enrolledBefore(pod)):
 		ips := podIPs(pod)
 		if h != nil {
 			ips = append(ips, h.ips...)
@@ -946,6 +1029,9 @@ func (p *Pipeline) release(ctx context.Context, uid types.UID, h *heldPod, ips [
 	if err := errors.Join(errs...); err != nil {
 		p.setHeld(uid, old)
 		return err
+	}
+	if err := p.forget(uid); err != nil {
+		p.log.Warn("could not drop the pod's record; the next agent treats it as enrolled once", "pod", h.pod, "err", err)
 	}
 	p.cfg.Annotations.Set(h.pod, "")
 	p.cfg.Observer.Removed()

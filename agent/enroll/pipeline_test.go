@@ -22,6 +22,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/uuid"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/agent/enrolledrecord"
 	"github.com/inpod-dev/inpod/agent/podnetns"
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/cnievent"
@@ -117,8 +118,11 @@ type fixture struct {
 	cache  *podCache
 	rec    *recorder
 	probes *probes
-	sock   string
-	log    *slog.Logger
+	// records is the node's record of pods with rules; it outlives a
+	// restart, as the agent's directory does.
+	records *enrolledrecord.Dir
+	sock    string
+	log     *slog.Logger
 	// stopServer stops the ZDS server of the running pipeline.
 	stopServer func()
 }
@@ -139,6 +143,10 @@ func newFixture(t *testing.T) *fixture {
 		rec:  &recorder{annots: map[types.NamespacedName]string{}},
 		sock: filepath.Join(testkit.ShortTempDir(t, "enroll-"), "ztunnel.sock"),
 	}
+	var err error
+	if f.records, err = enrolledrecord.Open(filepath.Join(t.TempDir(), "enrolled")); err != nil {
+		t.Fatal(err)
+	}
 	f.log = slog.New(slog.NewTextHandler(tlog{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	f.startAgent(nil)
 	return f
@@ -156,6 +164,7 @@ func (f *fixture) startAgent(restore func()) {
 		Pods:        f.cache,
 		Finder:      f.finder,
 		Annotations: f.rec,
+		Records:     f.records,
 		Events:      f.rec,
 		Observer:    f.rec,
 		Logger:      f.log,

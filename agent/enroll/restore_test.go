@@ -3,6 +3,7 @@ package enroll_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 	"slices"
 	"testing"
@@ -19,8 +20,8 @@ import (
 
 // restart replaces the agent as a restart does (agent.restore): the old
 // pipeline's ZDS server stops and its fds close (rules and ztunnel's proxies
-// stay), a new pipeline restores every pod of the cache and prunes the probe
-// set when it may, and
+// stay), a new pipeline restores every pod of the cache, prunes the records
+// of pods gone from it and the probe set when it may, and
 // only then is ztunnel served again. It waits for z's snapshot from the new
 // agent.
 func (f *fixture) restart(z *ztunnel.Standin) {
@@ -35,10 +36,15 @@ func (f *fixture) restart(z *ztunnel.Standin) {
 			pods = append(pods, p)
 		}
 		f.cache.mu.Unlock()
+		inCache := map[types.UID]bool{}
 		for _, p := range pods {
+			inCache[p.UID] = true
 			if err := f.p.Restore(context.Background(), p); err != nil {
 				f.t.Logf("restore %s/%s: %v", p.Namespace, p.Name, err)
 			}
+		}
+		if err := f.p.PruneRecords(func(uid types.UID) bool { return inCache[uid] }); err != nil {
+			f.t.Fatal(err)
 		}
 		if !f.p.PruneSafe() {
 			return
@@ -238,5 +244,134 @@ func TestRestartKeepsATerminatingEnrolledPodWithoutAnnotation(t *testing.T) {
 	}
 	if !hasRules(t, sb) {
 		t.Fatal("the rules of the terminating pod are gone")
+	}
+}
+
+// The same restart with neither pod's annotation landed (the previous agent
+// died between its answer and its patch, or before a burst's patches went
+// out): the node's record names them, so they are held as annotated ones
+// are, not taken for pods that were never enrolled.
+func TestRestartKeepsARecordedPodWhoseAnnotationNeverLanded(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	pod, sb := f.pod("mesh", "unfound", nil), f.sandbox()
+	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	f.running(pod, sb) // no process in sb: procfs cannot find it
+	fresh, freshSB := f.pod("mesh", "no-ips-yet", nil), f.sandbox()
+	if out, err := f.add(fresh, freshSB, "c2"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	for _, p := range []*corev1.Pod{pod, fresh} {
+		if !f.records.Recorded(string(p.UID)) {
+			t.Fatalf("%s enrolled without a record", p.Name)
+		}
+	}
+
+	f.restart(z)
+	for _, c := range []struct {
+		pod *corev1.Pod
+		sb  sandbox
+	}{{pod, sb}, {fresh, freshSB}} {
+		if _, ok := inZtunnel(z, c.pod); !ok {
+			t.Errorf("ztunnel dropped the proxy of %s, whose rules are in place: its traffic is black-holed", c.pod.Name)
+		}
+		if !hasRules(t, c.sb) {
+			t.Errorf("the rules of %s are gone", c.pod.Name)
+		}
+		if !f.exempted(c.sb.ip) {
+			t.Errorf("the probe exemption of %s (%s) was pruned: its probes go to a proxy", c.pod.Name, c.sb.ip)
+		}
+		if !f.records.Recorded(string(c.pod.UID)) {
+			t.Errorf("the record of held pod %s was pruned", c.pod.Name)
+		}
+	}
+}
+
+// A pod the previous agent enrolled, unannotated, whose namespace lost its
+// label while no agent ran: the record tells the new agent its rules are
+// there, and they come out. Without it the pod would keep rules pointing at
+// a proxy ztunnel no longer runs: outside the mesh, and blocked.
+func TestRestartRemovesARecordedPodUnlabelledWhileNoAgentRan(t *testing.T) {
+	f := newFixture(t)
+	f.cache.mu.Lock()
+	f.cache.namespaces["leaving"] = &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving",
+		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}}
+	f.cache.mu.Unlock()
+	z, _ := f.standin(ztunnel.Config{})
+	pod, sb := f.pod("leaving", "app", nil), f.sandbox()
+	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	sb.RunAsPod(t, string(pod.UID))
+	f.running(pod, sb)
+	f.cache.mu.Lock()
+	f.cache.namespaces["leaving"] = &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving"}}
+	f.cache.mu.Unlock()
+
+	f.restart(z)
+	if hasRules(t, sb) {
+		t.Fatal("the pod left the mesh while no agent ran, and still has its rules after the restart: it is blocked")
+	}
+	if _, ok := inZtunnel(z, pod); ok {
+		t.Error("ztunnel still runs a proxy for a pod outside the mesh")
+	}
+	if f.exempted(sb.ip) {
+		t.Error("the pod outside the mesh keeps its probe exemption")
+	}
+	if f.records.Recorded(string(pod.UID)) {
+		t.Error("the record of a pod taken out of the mesh is still there")
+	}
+}
+
+// A pod has a record exactly while rules of it may be in place: from before
+// its rules are applied, gone with a start that failed and was rolled back,
+// with its DEL, and with the pod (pruned at restart once it is gone from
+// the API).
+func TestEnrolledRecordFollowsThePodsRules(t *testing.T) {
+	f := newFixture(t)
+	recorded := func(p *corev1.Pod) bool { return f.records.Recorded(string(p.UID)) }
+
+	// No ztunnel: the start fails after the rules were applied, and is
+	// rolled back.
+	failed, failedSB := f.pod("mesh", "failed", nil), f.sandbox()
+	if out, _ := f.add(failed, failedSB, "c0"); out != cnievent.Failed {
+		t.Fatalf("ADD without ztunnel = %q, want failed", out)
+	}
+	if hasRules(t, failedSB) || recorded(failed) {
+		t.Fatalf("a rolled-back start left rules (%v) or its record (%v)", hasRules(t, failedSB), recorded(failed))
+	}
+
+	z, _ := f.standin(ztunnel.Config{})
+	deleted, deletedSB := f.pod("mesh", "deleted", nil), f.sandbox()
+	gone, goneSB := f.pod("mesh", "gone", nil), f.sandbox()
+	for i, c := range []struct {
+		pod *corev1.Pod
+		sb  sandbox
+	}{{deleted, deletedSB}, {gone, goneSB}} {
+		if out, err := f.add(c.pod, c.sb, fmt.Sprintf("c%d", i+1)); out != cnievent.Redirected {
+			t.Fatalf("ADD = %q, %v", out, err)
+		}
+		if !recorded(c.pod) {
+			t.Fatalf("%s enrolled without a record", c.pod.Name)
+		}
+	}
+	if out, err := f.p.Del(context.Background(), request(cnievent.Del, deleted, deletedSB, "c1")); out != cnievent.Redirected {
+		t.Fatalf("DEL = %q, %v", out, err)
+	}
+	if recorded(deleted) {
+		t.Fatal("the record outlived the pod's DEL")
+	}
+
+	// "gone" leaves the API while no agent runs (its DEL missed).
+	f.cache.mu.Lock()
+	delete(f.cache.pods, "mesh/gone")
+	delete(f.cache.pods, "mesh/deleted")
+	delete(f.cache.pods, "mesh/failed")
+	f.cache.mu.Unlock()
+	f.restart(z)
+	if recorded(gone) {
+		t.Fatal("the record of a pod gone from the API survived the restart")
 	}
 }

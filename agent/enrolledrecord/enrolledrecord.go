@@ -1,0 +1,129 @@
+// Package enrolledrecord keeps, on the node, which pods the agent has put
+// redirection rules into, so that an agent that starts after another died
+// knows them even when nothing in the API says so yet.
+//
+// The pod's redirection annotation says the same thing, but it is written
+// off the ADD's path, through the API, and may land after the ADD is
+// answered (in a burst, most do). A pod whose agent died in between looks
+// never enrolled to the next agent: with no IPs in its status yet it is
+// not held, so ztunnel's next snapshot drops the proxy its rules point at;
+// taken out of the mesh while no agent ran, it keeps its rules and its
+// traffic goes nowhere, a pod outside the mesh blocked. A record written
+// before the rules closes that window:
+//
+//   - one empty file per pod, named by its API UID, in a root-only
+//     directory; written before the pod's rules are applied, so any pod
+//     with rules has a record, and removed only once its rules are out
+//     (or its sandbox start failed and they were rolled back);
+//   - a record without rules (the agent died between the two) only makes
+//     the next agent treat the pod as enrolled: it re-applies the rules if
+//     the pod is in the mesh, or removes none and tells ztunnel Del if not,
+//     both harmless;
+//   - the directory belongs on a tmpfs (next to the agent's sockets under
+//     /var/run): a reboot ends every sandbox, and their records with it.
+//
+// Writes are a create and a close, no fsync: the file outlives the process
+// in the page cache, and a node crash ends the sandboxes too.
+package enrolledrecord
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"syscall"
+)
+
+// Dir is the record: one file per enrolled pod.
+type Dir struct {
+	path string
+}
+
+// Open makes the directory (root only) if needed.
+func Open(path string) (*Dir, error) {
+	if err := os.MkdirAll(path, 0o700); err != nil {
+		return nil, fmt.Errorf("enrolled-pod record: %w", err)
+	}
+	if err := os.Chmod(path, 0o700); err != nil {
+		return nil, fmt.Errorf("enrolled-pod record: %w", err)
+	}
+	return &Dir{path: path}, nil
+}
+
+// Path is the directory.
+func (d *Dir) Path() string { return d.path }
+
+// maxUIDLen is Kubernetes' bound on a UID (and the ZDS Add's).
+const maxUIDLen = 128
+
+// fileFor names uid's file. API server UIDs are UUIDs; anything that could
+// leave the directory or hide as a dot file is refused.
+func (d *Dir) fileFor(uid string) (string, error) {
+	if uid == "" || len(uid) > maxUIDLen || uid[0] == '.' {
+		return "", fmt.Errorf("enrolled-pod record: pod UID %q cannot name a file", uid)
+	}
+	for _, c := range uid {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_' || c == '.') {
+			return "", fmt.Errorf("enrolled-pod record: pod UID %q cannot name a file", uid)
+		}
+	}
+	return filepath.Join(d.path, uid), nil
+}
+
+// Record notes uid as enrolled; recording it again is no error.
+func (d *Dir) Record(uid string) error {
+	name, err := d.fileFor(uid)
+	if err != nil {
+		return err
+	}
+	f, err := os.OpenFile(name, os.O_CREATE|os.O_WRONLY|os.O_TRUNC|syscall.O_NOFOLLOW, 0o600)
+	if err != nil {
+		return fmt.Errorf("enrolled-pod record: %w", err)
+	}
+	return f.Close()
+}
+
+// Forget removes uid's record; one that is not there is no error.
+func (d *Dir) Forget(uid string) error {
+	name, err := d.fileFor(uid)
+	if err != nil {
+		return err
+	}
+	if err := os.Remove(name); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("enrolled-pod record: %w", err)
+	}
+	return nil
+}
+
+// Recorded says whether uid has a record.
+func (d *Dir) Recorded(uid string) bool {
+	name, err := d.fileFor(uid)
+	if err != nil {
+		return false
+	}
+	fi, err := os.Lstat(name)
+	return err == nil && fi.Mode().IsRegular()
+}
+
+// List returns every recorded UID.
+func (d *Dir) List() ([]string, error) {
+	entries, err := os.ReadDir(d.path)
+	if err != nil {
+		return nil, fmt.Errorf("enrolled-pod record: %w", err)
+	}
+	uids := make([]string, 0, len(entries))
+	for _, e := range entries {
+		if _, err := d.fileFor(e.Name()); err == nil && e.Type().IsRegular() {
+			uids = append(uids, e.Name())
+		}
+	}
+	return uids, nil
+}
+
+// Remove deletes the record and its directory (inpod leaves the node).
+func (d *Dir) Remove() error {
+	if err := os.RemoveAll(d.path); err != nil {
+		return fmt.Errorf("enrolled-pod record: %w", err)
+	}
+	return nil
+}
