@@ -4,10 +4,12 @@ package agent_test
 
 import (
 	"context"
+	"net/http"
 	"net/netip"
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -100,4 +102,72 @@ func TestIntegrationRestartHoldsAnUnfoundPodAndReleasesAnUnlabelledOne(t *testin
 	if slices.Contains(members, netip.MustParseAddr(leavingIP)) {
 		t.Errorf("the un-labelled pod keeps its probe exemption: %v", members)
 	}
+}
+
+// The same restart when none of the first agent's annotation patches
+// landed (it died before them; here the API refuses them): the node's
+// record of pods with rules stands in. A pod whose status has no IPs yet is
+// held, so ztunnel keeps the proxy its rules point at; a pod whose
+// namespace lost its label while no agent ran has its rules removed rather
+// than being left blocked.
+func TestIntegrationRestartWithoutAnnotationsUsesTheNodesRecord(t *testing.T) {
+	w := newWorld(t)
+	ctx := context.Background()
+	if _, err := w.client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving",
+		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(t.TempDir(), "inpod-agent")
+	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/inpod-agent").CombinedOutput(); err != nil {
+		t.Fatalf("build inpod-agent: %v: %s", err, out)
+	}
+	direct := w.cfg.Kubeconfig
+	w.cfg.Kubeconfig = apiProxy(t, w.cp, func(r *http.Request) bool {
+		return r.Method != http.MethodPatch || !strings.Contains(r.URL.Path, "/pods/")
+	})
+	first := w.startAgentProcess(bin)
+
+	noIPs, noIPsNS := w.pod("mesh", "no-ips-yet")
+	if _, err := w.cniAdd(noIPs, noIPsNS); err != nil {
+		t.Fatal(err)
+	}
+	leaving, leavingNS := w.pod("leaving", "app")
+	res, err := w.cniAdd(leaving, leavingNS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.setRunning(leaving, res.IPs[0].Address.IP.String())
+	leavingNS.RunAsPod(t, string(leaving.UID))
+	first.cmd.Process.Signal(syscall.SIGKILL)
+	first.cmd.Wait()
+	for _, p := range []*corev1.Pod{noIPs, leaving} {
+		if v := w.annotation(p); v != "" {
+			t.Fatalf("pod %s annotated %q: the test needs the annotation never to have landed", p.Name, v)
+		}
+	}
+
+	ns, err := w.client.CoreV1().Namespaces().Get(ctx, "leaving", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns.Labels = nil
+	if _, err := w.client.CoreV1().Namespaces().Update(ctx, ns, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	w.cfg.Kubeconfig = direct
+	connects := w.standin.Connects()
+	w.startAgentProcess(bin)
+	w.eventually("ztunnel reconnected and re-snapshotted", func() bool {
+		return w.standin.Connects() > connects && w.standin.SnapshotDone()
+	})
+	if _, ok := w.standin.Workloads()[string(noIPs.UID)]; !ok {
+		t.Error("the restarted agent's snapshot dropped an enrolled pod that reports no IPs yet: its traffic is black-holed")
+	}
+	if !hasRules(t, noIPsNS) {
+		t.Error("the pod without IPs lost its rules")
+	}
+	w.eventually("the un-labelled pod out of the mesh", func() bool {
+		_, inZtunnel := w.standin.Workloads()[string(leaving.UID)]
+		return !hasRules(t, leavingNS) && !inZtunnel
+	})
 }
