@@ -339,7 +339,10 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	p.pods = &podCache{client: p.client, node: cfg.NodeName, pods: p.podInf.Core().V1().Pods().Lister(),
 		namespaces: metadatalister.New(p.nsInf.ForResource(namespacesResource).Informer().GetIndexer(), namespacesResource), cacheWait: 5 * time.Second}
 	a.pods = p.pods
-	p.annotations = enroll.NewAnnotationWriter(p.client, a.log)
+	// The writer waits for the CNI events in flight; the counter wraps
+	// the pipeline once it exists.
+	p.activity = &cniActivity{}
+	p.annotations = enroll.NewAnnotationWriter(p.client, p.activity, a.log)
 	policy := enroll.Policy{ExcludedNamespaces: cfg.ExcludedNamespaces, Label: cfg.EnrollmentLabel}
 	if p.passList, err = passlist.Open(p.passListPath, p.pods.notEnrolled(policy), a.log); err != nil {
 		return nil, err
@@ -367,7 +370,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	if p.zds, err = zds.NewServer(zds.Config{SocketPath: cfg.ZDSSocket, Source: p.pipeline, Logger: a.log}); err != nil {
 		return nil, err
 	}
-	p.activity = &cniActivity{Handler: p.pipeline}
+	p.activity.Handler = p.pipeline
 	if p.cni, err = cniserver.New(cniserver.Config{SocketPath: cfg.CNISocket, Handler: p.activity, Logger: a.log}); err != nil {
 		return nil, err
 	}

@@ -230,9 +230,9 @@ func (w *world) runBurstRound(b *testing.B, echo string, zt *zds.Server, agentPI
 	r.pluginCPU = time.Duration(childCPU.Load()-cpu0) / n
 	r.agentCPU = processCPU(b, agentPID) - agent0
 	r.controlPlaneCPU = w.controlPlaneCPU(b) - controlPlane0
-	// The agent writes the pods' annotations off the ADDs' path, at its
-	// API rate limit, so some come after the burst: none of that may
-	// spill into the next measurement.
+	// The agent writes the pods' annotations once the burst's ADDs are
+	// answered (enroll.AnnotationWriter waits them out), at its API rate
+	// limit: none of that may spill into the next measurement.
 	annotated()
 	if inpodFirst {
 		floors()

@@ -57,7 +57,7 @@ func TestStartupMemoryTracksCNIEvents(t *testing.T) {
 	for _, event := range []func(context.Context, *cnievent.Request) (cnievent.Outcome, error){activity.Add, activity.Del, activity.Check} {
 		go event(context.Background(), &cnievent.Request{})
 	}
-	testkit.Eventually(t, 10*time.Second, "three events in flight", func() bool { return activity.inFlight.Load() == 3 })
+	testkit.Eventually(t, 10*time.Second, "three events in flight", func() bool { return activity.inFlightNow() == 3 })
 	ticks := make(chan time.Time)
 	done := make(chan bool, 1)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -70,7 +70,7 @@ func TestStartupMemoryTracksCNIEvents(t *testing.T) {
 		t.Fatal("quiet while CNI events were in flight")
 	}
 	close(h.release)
-	testkit.Eventually(t, 10*time.Second, "the events answered", func() bool { return activity.inFlight.Load() == 0 })
+	testkit.Eventually(t, 10*time.Second, "the events answered", func() bool { return activity.inFlightNow() == 0 })
 	if got := activity.started.Load(); got != 3 {
 		t.Fatalf("%d events counted, want 3", got)
 	}

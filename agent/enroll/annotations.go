@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -18,22 +19,55 @@ import (
 // AnnotationWriter converges each pod's redirection annotation to the last
 // value asked for, off the CNI critical path, retrying with backoff through
 // an API server outage.
+//
+// It also keeps its writes out of a burst of pod starts: while the agent
+// serves CNI events it waits (up to MaxDefer) for them to end. Each patch
+// costs the node CPU (the request, and the watch event it echoes back) that
+// the ADDs in flight need, and on a node that hosts the control plane the
+// API server's and etcd's too. A pod's "pending" is then usually replaced
+// by its "enabled" before either is sent, one patch instead of two. The
+// annotation is not what keeps a pod redirected (the rules and ztunnel's
+// Ack are, before the ADD returns), so a later patch loses nothing but the
+// restart hint it carries, which was never guaranteed to land first.
 type AnnotationWriter struct {
 	client kubernetes.Interface
 	log    *slog.Logger
 	queue  workqueue.TypedRateLimitingInterface[types.NamespacedName]
+	busy   Activity
+	// maxDefer bounds the wait, so that on a node that never stops
+	// starting pods the annotations still come, at the writer's own rate.
+	maxDefer time.Duration
+	// busyPeriod is the Quiet channel of the busy spell the writer last
+	// waited in, and busySince when it first found it (only Run's
+	// goroutine uses them). Each spell has its own channel.
+	busyPeriod <-chan struct{}
+	busySince  time.Time
 
 	mu   sync.Mutex
 	want map[types.NamespacedName]string
 }
 
-// NewAnnotationWriter writes through client; Run starts it.
-func NewAnnotationWriter(client kubernetes.Interface, log *slog.Logger) *AnnotationWriter {
+// Activity tells the writer when the agent is serving CNI events.
+type Activity interface {
+	// Quiet returns nil when no CNI event is being served, else a channel
+	// closed once none is.
+	Quiet() <-chan struct{}
+}
+
+// MaxDefer is how long the writer waits at most for the CNI events in
+// flight to end: a burst of 50 pod starts takes ~0.1 s on a 2-core node.
+const MaxDefer = time.Second
+
+// NewAnnotationWriter writes through client; Run starts it. busy may be
+// nil: the writer then never waits.
+func NewAnnotationWriter(client kubernetes.Interface, busy Activity, log *slog.Logger) *AnnotationWriter {
 	return &AnnotationWriter{
-		client: client,
-		log:    log.With("component", "annotations"),
-		queue:  workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[types.NamespacedName]()),
-		want:   map[types.NamespacedName]string{},
+		client:   client,
+		log:      log.With("component", "annotations"),
+		queue:    workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[types.NamespacedName]()),
+		busy:     busy,
+		maxDefer: MaxDefer,
+		want:     map[types.NamespacedName]string{},
 	}
 }
 
@@ -56,6 +90,7 @@ func (w *AnnotationWriter) Run(ctx context.Context) {
 		if quit {
 			return
 		}
+		w.yield(ctx)
 		err := w.write(ctx, pod)
 		if err != nil {
 			w.log.Warn("annotation not written yet; retrying", "pod", pod, "err", err)
@@ -64,6 +99,32 @@ func (w *AnnotationWriter) Run(ctx context.Context) {
 			w.queue.Forget(pod)
 		}
 		w.queue.Done(pod)
+	}
+}
+
+// yield waits while CNI events are in flight, at most maxDefer into each
+// busy spell; past that, it writes at once until the spell ends.
+func (w *AnnotationWriter) yield(ctx context.Context) {
+	if w.busy == nil {
+		return
+	}
+	quiet := w.busy.Quiet()
+	if quiet == nil {
+		return
+	}
+	if quiet != w.busyPeriod {
+		w.busyPeriod, w.busySince = quiet, time.Now()
+	}
+	left := w.maxDefer - time.Since(w.busySince)
+	if left <= 0 {
+		return
+	}
+	timer := time.NewTimer(left)
+	defer timer.Stop()
+	select {
+	case <-quiet:
+	case <-timer.C:
+	case <-ctx.Done():
 	}
 }
 

@@ -1,0 +1,167 @@
+package enroll
+
+import (
+	"context"
+	"encoding/json"
+	"log/slog"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+
+	"github.com/inpod-dev/inpod/internal/testkit"
+)
+
+// fakeActivity plays the agent's CNI event counter: a test opens and ends
+// busy spells, and sees when the writer asked.
+type fakeActivity struct {
+	mu    sync.Mutex
+	idle  chan struct{} // nil while quiet
+	asked chan struct{} // a value each time Quiet is asked during a spell
+}
+
+func newFakeActivity() *fakeActivity { return &fakeActivity{asked: make(chan struct{}, 100)} }
+
+func (a *fakeActivity) begin() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.idle = make(chan struct{})
+}
+
+func (a *fakeActivity) end() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	close(a.idle)
+	a.idle = nil
+}
+
+// waitAsked returns once the writer has asked during a spell, and fails the
+// test if it does not within 10 s.
+func (a *fakeActivity) waitAsked(t *testing.T) {
+	t.Helper()
+	select {
+	case <-a.asked:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the writer never asked whether CNI events were in flight")
+	}
+}
+
+func (a *fakeActivity) Quiet() <-chan struct{} {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.idle == nil {
+		return nil
+	}
+	a.asked <- struct{}{}
+	return a.idle
+}
+
+// patchLog records the annotation value of every pod patch the writer
+// sends.
+type patchLog struct {
+	mu     sync.Mutex
+	values []string
+}
+
+func (l *patchLog) all() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]string(nil), l.values...)
+}
+
+func startWriter(t *testing.T, busy Activity, maxDefer time.Duration, pods ...string) (*AnnotationWriter, *patchLog) {
+	var objs []runtime.Object
+	for _, name := range pods {
+		objs = append(objs, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: name}})
+	}
+	client := fake.NewClientset(objs...)
+	log := &patchLog{}
+	client.PrependReactor("patch", "pods", func(action k8stesting.Action) (bool, runtime.Object, error) {
+		patch := action.(k8stesting.PatchAction)
+		var body struct {
+			Metadata struct {
+				Annotations map[string]*string `json:"annotations"`
+			} `json:"metadata"`
+		}
+		if err := json.Unmarshal(patch.GetPatch(), &body); err != nil {
+			t.Errorf("undecodable patch %s: %v", patch.GetPatch(), err)
+		}
+		v := "<removed>"
+		if p := body.Metadata.Annotations[RedirectionAnnotation]; p != nil {
+			v = *p
+		}
+		log.mu.Lock()
+		log.values = append(log.values, patch.GetName()+"="+v)
+		log.mu.Unlock()
+		return false, nil, nil // the tracker applies it
+	})
+	w := NewAnnotationWriter(client, busy, slog.New(slog.DiscardHandler))
+	w.maxDefer = maxDefer
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); w.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return w, log
+}
+
+// While CNI events are in flight the writer sends nothing, so a pod's
+// "pending" and then "enabled" (both asked for during its ADD) become one
+// patch, sent once the node is quiet; the next busy spell is waited out
+// again.
+func TestAnnotationWriterWaitsOutCNIEvents(t *testing.T) {
+	busy := newFakeActivity()
+	w, log := startWriter(t, busy, time.Hour, "a", "b")
+
+	busy.begin()
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, AnnotationPending)
+	busy.waitAsked(t) // the writer holds "a" and waits
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, AnnotationEnabled)
+	if got := log.all(); len(got) != 0 {
+		t.Fatalf("patched %v while a CNI event was in flight", got)
+	}
+	busy.end()
+	testkit.Eventually(t, 10*time.Second, "a's annotation written", func() bool { return len(log.all()) > 0 })
+
+	busy.begin()
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, AnnotationPending)
+	busy.waitAsked(t)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, AnnotationEnabled)
+	if got := log.all(); !slices.Equal(got, []string{"a=enabled"}) {
+		t.Fatalf("patches %v in the second busy spell, want only the first spell's a=enabled", got)
+	}
+	busy.end()
+	testkit.Eventually(t, 10*time.Second, "b's annotation written", func() bool { return len(log.all()) > 1 })
+	// Once each: the re-queued pods find nothing left to write.
+	w.queue.ShutDownWithDrain()
+	if got := log.all(); !slices.Equal(got, []string{"a=enabled", "b=enabled"}) {
+		t.Fatalf("patches %v, want one per pod with its last value", got)
+	}
+}
+
+// A node that never stops serving CNI events still gets its annotations:
+// the writer waits at most maxDefer into a busy spell.
+func TestAnnotationWriterIsNotStarvedByABusyNode(t *testing.T) {
+	busy := newFakeActivity()
+	w, log := startWriter(t, busy, 20*time.Millisecond, "a", "b")
+	busy.begin()
+	defer busy.end()
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, "")
+	testkit.Eventually(t, 10*time.Second, "both annotations written while the node stays busy", func() bool {
+		return slices.Equal(log.all(), []string{"a=enabled", "b=<removed>"})
+	})
+}
+
+// Without an activity source the writer writes at once.
+func TestAnnotationWriterWithoutActivityWritesAtOnce(t *testing.T) {
+	w, log := startWriter(t, nil, time.Hour, "a")
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, AnnotationEnabled)
+	testkit.Eventually(t, 10*time.Second, "the annotation written", func() bool { return slices.Equal(log.all(), []string{"a=enabled"}) })
+}
