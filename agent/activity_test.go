@@ -33,8 +33,8 @@ func TestCNIActivityQuietClosesWhenTheLastEventIsAnswered(t *testing.T) {
 	default:
 	}
 	close(h.release)
-	<-done
-	<-done
+	answered(t, done)
+	answered(t, done)
 	select {
 	case <-quiet:
 	case <-time.After(10 * time.Second):
@@ -52,5 +52,14 @@ func TestCNIActivityQuietClosesWhenTheLastEventIsAnswered(t *testing.T) {
 		t.Fatal("the next busy spell has the ended spell's channel")
 	}
 	close(next.release)
-	<-done
+	answered(t, done)
+}
+
+func answered(t *testing.T, done <-chan struct{}) {
+	t.Helper()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("a released CNI event was not answered")
+	}
 }

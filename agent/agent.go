@@ -254,6 +254,14 @@ func (a *Agent) Run(ctx context.Context) error {
 		return err
 	}
 	if p.uninstall == nil || !p.uninstall.uninstalling(context.WithoutCancel(ctx)) {
+		// The writer stopped with the rest; what it still held (a burst's
+		// annotations wait for its ADDs) is written now, briefly: the next
+		// agent re-asserts any that do not make it.
+		flushCtx, cancelFlush := context.WithTimeout(context.WithoutCancel(ctx), annotationFlushTimeout)
+		if err := p.annotations.Flush(flushCtx); err != nil {
+			a.log.Warn("some pods' redirection annotations not written at shutdown; the next agent writes them", "err", err)
+		}
+		cancelFlush()
 		a.log.Info("agent stopping; rules, ztunnel's proxies and the CNI plugin stay in place")
 		return nil
 	}
@@ -695,6 +703,10 @@ func podKey(obj any) (types.NamespacedName, bool) {
 
 // passListDir, next to the CNI socket, holds the pass list.
 const passListDir = "not-enrolled"
+
+// annotationFlushTimeout bounds the annotations written at a stop that is
+// not an uninstall, so an API server outage delays no restart for long.
+const annotationFlushTimeout = 2 * time.Second
 
 // enrolledRecordDir, next to the CNI socket, holds the record of pods with
 // rules (package enrolledrecord).

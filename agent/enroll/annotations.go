@@ -21,14 +21,16 @@ import (
 // an API server outage.
 //
 // It also keeps its writes out of a burst of pod starts: while the agent
-// serves CNI events it waits (up to MaxDefer) for them to end. Each patch
-// costs the node CPU (the request, and the watch event it echoes back) that
-// the ADDs in flight need, and on a node that hosts the control plane the
-// API server's and etcd's too. A pod's "pending" is then usually replaced
-// by its "enabled" before either is sent, one patch instead of two. The
-// annotation is not what keeps a pod redirected (the rules and ztunnel's
-// Ack are, before the ADD returns), so a later patch loses nothing but the
-// restart hint it carries, which was never guaranteed to land first.
+// serves CNI events it waits for them to end, up to MaxDefer into each
+// busy spell, and not at all with MaxDeferredBacklog pods waiting. Each
+// patch costs the node CPU (the request, and the watch event it echoes
+// back) that the ADDs in flight need, and on a node that hosts the control
+// plane the API server's and etcd's too. A pod's "pending" is then usually
+// replaced by its "enabled" before either is sent, one patch instead of
+// two. Nothing waits on the annotation: the rules and ztunnel's Ack are in
+// place before the ADD is answered, and what a restarted agent must know
+// about pods whose patch has not landed, the node's record of pods with
+// rules tells it (see Pipeline.Restore and package enrolledrecord).
 type AnnotationWriter struct {
 	client kubernetes.Interface
 	log    *slog.Logger
@@ -42,6 +44,11 @@ type AnnotationWriter struct {
 	// goroutine uses them). Each spell has its own channel.
 	busyPeriod <-chan struct{}
 	busySince  time.Time
+	// backlogFull ends a wait once MaxDeferredBacklog pods are queued;
+	// draining then keeps the writer from waiting until the queue is
+	// empty.
+	backlogFull chan struct{}
+	draining    bool
 
 	mu   sync.Mutex
 	want map[types.NamespacedName]string
@@ -55,19 +62,27 @@ type Activity interface {
 }
 
 // MaxDefer is how long the writer waits at most for the CNI events in
-// flight to end: a burst of 50 pod starts takes ~0.1 s on a 2-core node.
-const MaxDefer = time.Second
+// flight to end: a burst of 50 pod starts takes 0.1–0.25 s on a 2-core
+// node.
+const MaxDefer = 500 * time.Millisecond
+
+// MaxDeferredBacklog is how many pods may wait for their annotation before
+// the writer stops waiting for quiet moments: on a node whose busy spells
+// follow each other it would otherwise write one patch per gap between
+// them.
+const MaxDeferredBacklog = 100
 
 // NewAnnotationWriter writes through client; Run starts it. busy may be
 // nil: the writer then never waits.
 func NewAnnotationWriter(client kubernetes.Interface, busy Activity, log *slog.Logger) *AnnotationWriter {
 	return &AnnotationWriter{
-		client:   client,
-		log:      log.With("component", "annotations"),
-		queue:    workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[types.NamespacedName]()),
-		busy:     busy,
-		maxDefer: MaxDefer,
-		want:     map[types.NamespacedName]string{},
+		client:      client,
+		log:         log.With("component", "annotations"),
+		queue:       workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[types.NamespacedName]()),
+		busy:        busy,
+		maxDefer:    MaxDefer,
+		backlogFull: make(chan struct{}, 1),
+		want:        map[types.NamespacedName]string{},
 	}
 }
 
@@ -77,6 +92,12 @@ func (w *AnnotationWriter) Set(pod types.NamespacedName, value string) {
 	w.want[pod] = value
 	w.mu.Unlock()
 	w.queue.Add(pod)
+	if w.queue.Len() >= MaxDeferredBacklog {
+		select {
+		case w.backlogFull <- struct{}{}:
+		default:
+		}
+	}
 }
 
 // Run writes until ctx ends.
@@ -103,7 +124,8 @@ func (w *AnnotationWriter) Run(ctx context.Context) {
 }
 
 // yield waits while CNI events are in flight, at most maxDefer into each
-// busy spell; past that, it writes at once until the spell ends.
+// busy spell; past that it writes at once, and with a long backlog until
+// the queue is empty.
 func (w *AnnotationWriter) yield(ctx context.Context) {
 	if w.busy == nil {
 		return
@@ -112,10 +134,20 @@ func (w *AnnotationWriter) yield(ctx context.Context) {
 	if quiet == nil {
 		return
 	}
-	if quiet != w.busyPeriod {
-		w.busyPeriod, w.busySince = quiet, time.Now()
+	backlog := w.queue.Len()
+	if backlog >= MaxDeferredBacklog {
+		w.draining = true
 	}
-	left := w.maxDefer - time.Since(w.busySince)
+	if w.draining {
+		// This one is written at once too; the next waits again.
+		w.draining = backlog > 0
+		return
+	}
+	now := time.Now()
+	if quiet != w.busyPeriod {
+		w.busyPeriod, w.busySince = quiet, now
+	}
+	left := w.maxDefer - now.Sub(w.busySince)
 	if left <= 0 {
 		return
 	}
@@ -124,6 +156,8 @@ func (w *AnnotationWriter) yield(ctx context.Context) {
 	select {
 	case <-quiet:
 	case <-timer.C:
+	case <-w.backlogFull:
+		w.draining = true
 	case <-ctx.Done():
 	}
 }
@@ -138,7 +172,11 @@ func (w *AnnotationWriter) Flush(ctx context.Context) error {
 	}
 	w.mu.Unlock()
 	var errs []error
-	for _, pod := range pods {
+	for i, pod := range pods {
+		if ctx.Err() != nil {
+			errs = append(errs, fmt.Errorf("%d annotations not written: %w", len(pods)-i, context.Cause(ctx)))
+			break
+		}
 		if err := w.write(ctx, pod); err != nil {
 			errs = append(errs, fmt.Errorf("annotate %s: %w", pod, err))
 		}

@@ -3,8 +3,10 @@ package enroll
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -164,4 +166,43 @@ func TestAnnotationWriterWithoutActivityWritesAtOnce(t *testing.T) {
 	w, log := startWriter(t, nil, time.Hour, "a")
 	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, AnnotationEnabled)
 	testkit.Eventually(t, 10*time.Second, "the annotation written", func() bool { return slices.Equal(log.all(), []string{"a=enabled"}) })
+}
+
+// A long backlog ends the wait: a node whose busy spells follow each other
+// still gets its annotations at the writer's rate, not one per gap.
+func TestAnnotationWriterStopsWaitingWithALongBacklog(t *testing.T) {
+	busy := newFakeActivity()
+	w, log := startWriter(t, busy, time.Hour)
+	busy.begin()
+	defer busy.end()
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "first"}, AnnotationEnabled)
+	busy.waitAsked(t) // the writer holds "first" and waits
+	for i := range MaxDeferredBacklog {
+		w.Set(types.NamespacedName{Namespace: "mesh", Name: fmt.Sprintf("p%d", i)}, AnnotationEnabled)
+	}
+	testkit.Eventually(t, 10*time.Second, "every annotation written while the node stays busy", func() bool {
+		return len(log.all()) == MaxDeferredBacklog+1
+	})
+}
+
+// Flush writes what the stopped writer still held, and once its context
+// ends says how many are left in one error instead of trying each.
+func TestAnnotationWriterFlush(t *testing.T) {
+	client := fake.NewClientset(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "a"}})
+	w := NewAnnotationWriter(client, nil, slog.New(slog.DiscardHandler))
+	for _, name := range []string{"a", "b", "c"} {
+		w.Set(types.NamespacedName{Namespace: "mesh", Name: name}, AnnotationEnabled)
+	}
+	ended, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := w.Flush(ended); err == nil || !strings.Contains(err.Error(), "3 annotations not written") {
+		t.Fatalf("Flush with an ended context = %v, want one error naming the 3 left", err)
+	}
+	if err := w.Flush(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	pod, err := client.CoreV1().Pods("mesh").Get(context.Background(), "a", metav1.GetOptions{})
+	if err != nil || pod.Annotations[RedirectionAnnotation] != AnnotationEnabled {
+		t.Fatalf("pod a annotated %v (%v) after Flush", pod.Annotations, err)
+	}
 }
