@@ -316,7 +316,10 @@ func (a *Agent) removeFromNode(p *pieces) error {
 	}
 	// Each pod taken out dropped its record; one left names a pod whose
 	// rules could not be removed, for a later install to find.
-	if err := os.Remove(p.records.Path()); err != nil && !errors.Is(err, os.ErrNotExist) && !errors.Is(err, syscall.ENOTEMPTY) {
+	if err := os.Remove(p.records.Path()); errors.Is(err, syscall.ENOTEMPTY) {
+		left, _ := p.records.List()
+		a.log.Warn("pods whose rules may still be in place keep their record, for a later install to find", "dir", p.records.Path(), "uids", left)
+	} else if err != nil && !errors.Is(err, os.ErrNotExist) {
 		errs = append(errs, err)
 	}
 	// Last, as the steps that need the API server. The gates have

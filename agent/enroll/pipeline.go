@@ -67,7 +67,7 @@ type (
 	Records interface {
 		Record(uid string) error
 		Forget(uid string) error
-		Recorded(uid string) bool
+		Recorded(uid string) (bool, error)
 		List() ([]string, error)
 	}
 	// Events reports failures on the pod, where users look.
@@ -320,7 +320,9 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 					rulesOut = true
 				}
 			}
-			if recorded && rulesOut {
+			// A pod held from the previous agent keeps its record: the
+			// sandbox whose rules it stands for is not this one.
+			if recorded && rulesOut && p.heldPod(pod.UID) == nil {
 				if err := p.forget(pod.UID); err != nil {
 					p.log.Warn("could not drop the record of a sandbox whose start failed; the next agent treats the pod as enrolled once", "pod", key, "err", err)
 				}
@@ -801,7 +803,16 @@ func annotated(pod *corev1.Pod) bool {
 // pod's netns: the pod carries the annotation, or the node's record names
 // it (its annotation may not have landed before that agent died).
 func (p *Pipeline) enrolledBefore(pod *corev1.Pod) bool {
-	return annotated(pod) || p.cfg.Records != nil && p.cfg.Records.Recorded(string(pod.UID))
+	if annotated(pod) || p.cfg.Records == nil {
+		return annotated(pod)
+	}
+	recorded, err := p.cfg.Records.Recorded(string(pod.UID))
+	if err != nil {
+		// Unknown is not "never enrolled": held, ztunnel keeps its proxy.
+		p.log.Warn("cannot read the pod's record; taking it for enrolled before", "pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID, "err", err)
+		return true
+	}
+	return recorded
 }
 
 func (p *Pipeline) record(uid types.UID) error {

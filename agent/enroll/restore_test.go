@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"os"
 	"slices"
 	"testing"
 
@@ -56,6 +57,16 @@ func (f *fixture) restart(z *ztunnel.Standin) {
 	testkit.Eventually(f.t, waitFor, "the stand-in's snapshot from the restarted agent", func() bool {
 		return z.Connects() > connects && z.SnapshotDone()
 	})
+}
+
+// recorded says whether the node's record names uid.
+func (f *fixture) recorded(uid types.UID) bool {
+	f.t.Helper()
+	ok, err := f.records.Recorded(string(uid))
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return ok
 }
 
 // annotate sets the pod's redirection annotation in the cache, as the
@@ -264,7 +275,7 @@ func TestRestartKeepsARecordedPodWhoseAnnotationNeverLanded(t *testing.T) {
 		t.Fatalf("ADD = %q, %v", out, err)
 	}
 	for _, p := range []*corev1.Pod{pod, fresh} {
-		if !f.records.Recorded(string(p.UID)) {
+		if !f.recorded(p.UID) {
 			t.Fatalf("%s enrolled without a record", p.Name)
 		}
 	}
@@ -283,9 +294,52 @@ func TestRestartKeepsARecordedPodWhoseAnnotationNeverLanded(t *testing.T) {
 		if !f.exempted(c.sb.ip) {
 			t.Errorf("the probe exemption of %s (%s) was pruned: its probes go to a proxy", c.pod.Name, c.sb.ip)
 		}
-		if !f.records.Recorded(string(c.pod.UID)) {
+		if !f.recorded(c.pod.UID) {
 			t.Errorf("the record of held pod %s was pruned", c.pod.Name)
 		}
+	}
+	// Held, so their records stay even when the cache no longer shows them
+	// (a lagging watch); only pods neither enrolled nor held lose theirs.
+	if err := f.p.PruneRecords(func(types.UID) bool { return false }); err != nil {
+		t.Fatal(err)
+	}
+	if !f.recorded(pod.UID) || !f.recorded(fresh.UID) {
+		t.Error("pruning dropped the record of a held pod")
+	}
+}
+
+// A pod in the mesh whose record cannot be written does not start (its ADD
+// fails before any rule, with a reason on the pod); a pod outside the mesh
+// starts as ever, the record is never consulted for it.
+func TestAddFailsClosedWhenThePodCannotBeRecorded(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	dir := f.records.Path()
+	if err := os.RemoveAll(dir); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(dir, nil, 0o600); err != nil { // every record now fails
+		t.Fatal(err)
+	}
+	pod, sb := f.pod("mesh", "app", nil), f.sandbox()
+	if out, err := f.add(pod, sb, "c1"); out != cnievent.Failed || err == nil {
+		t.Fatalf("ADD of an enrolled pod that cannot be recorded = %q, %v; want failed", out, err)
+	}
+	if hasRules(t, sb) {
+		t.Fatal("rules applied to a pod the node could not record")
+	}
+	if !slices.Contains(f.rec.reasons(), "RecordFailed") {
+		t.Errorf("events %v, want RecordFailed", f.rec.reasons())
+	}
+	f.rec.mu.Lock()
+	_, annotated := f.rec.annots[types.NamespacedName{Namespace: "mesh", Name: "app"}]
+	f.rec.mu.Unlock()
+	if annotated {
+		t.Error("a pod that never had rules was annotated")
+	}
+	plain, plainSB := f.pod("plain", "web", nil), f.sandbox()
+	if out, err := f.add(plain, plainSB, "c2"); out != cnievent.NotEnrolled || err != nil {
+		t.Fatalf("ADD of a pod outside the mesh = %q, %v; want not-enrolled", out, err)
 	}
 }
 
@@ -320,7 +374,7 @@ func TestRestartRemovesARecordedPodUnlabelledWhileNoAgentRan(t *testing.T) {
 	if f.exempted(sb.ip) {
 		t.Error("the pod outside the mesh keeps its probe exemption")
 	}
-	if f.records.Recorded(string(pod.UID)) {
+	if f.recorded(pod.UID) {
 		t.Error("the record of a pod taken out of the mesh is still there")
 	}
 }
@@ -331,7 +385,7 @@ func TestRestartRemovesARecordedPodUnlabelledWhileNoAgentRan(t *testing.T) {
 // the API).
 func TestEnrolledRecordFollowsThePodsRules(t *testing.T) {
 	f := newFixture(t)
-	recorded := func(p *corev1.Pod) bool { return f.records.Recorded(string(p.UID)) }
+	recorded := func(p *corev1.Pod) bool { return f.recorded(p.UID) }
 
 	// No ztunnel: the start fails after the rules were applied, and is
 	// rolled back.

@@ -95,14 +95,22 @@ func (d *Dir) Forget(uid string) error {
 	return nil
 }
 
-// Recorded says whether uid has a record.
-func (d *Dir) Recorded(uid string) bool {
+// Recorded says whether uid has a record. An error means it cannot be
+// told (the caller must not take that for "no"); a UID that cannot name a
+// record has none.
+func (d *Dir) Recorded(uid string) (bool, error) {
 	name, err := d.fileFor(uid)
 	if err != nil {
-		return false
+		return false, nil
 	}
 	fi, err := os.Lstat(name)
-	return err == nil && fi.Mode().IsRegular()
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("enrolled-pod record: %w", err)
+	}
+	return fi.Mode().IsRegular(), nil
 }
 
 // List returns every recorded UID.

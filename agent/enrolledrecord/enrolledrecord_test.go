@@ -13,9 +13,8 @@ func TestRecordForgetAndList(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	fi, err := os.Stat(dir)
-	if err != nil || fi.Mode().Perm() != 0o700 {
-		t.Fatalf("directory mode %v (%v), want 0700: the record is the agent's alone", fi.Mode().Perm(), err)
+	if fi, err := os.Stat(dir); err != nil || fi.Mode().Perm() != 0o700 {
+		t.Fatalf("directory %v (%v), want mode 0700: the record is the agent's alone", fi, err)
 	}
 	const a, b = "0b7d8c2e-5f4a-4c1e-9a0b-1c2d3e4f5a6b", "u2"
 	for _, uid := range []string{a, b, a} {
@@ -23,8 +22,8 @@ func TestRecordForgetAndList(t *testing.T) {
 			t.Fatalf("record %s: %v", uid, err)
 		}
 	}
-	if !d.Recorded(a) || !d.Recorded(b) || d.Recorded("u3") {
-		t.Fatalf("recorded: %s %v, %s %v, u3 %v", a, d.Recorded(a), b, d.Recorded(b), d.Recorded("u3"))
+	if !recorded(t, d, a) || !recorded(t, d, b) || recorded(t, d, "u3") {
+		t.Fatalf("recorded: %s %v, %s %v, u3 %v", a, recorded(t, d, a), b, recorded(t, d, b), recorded(t, d, "u3"))
 	}
 	got, err := d.List()
 	if err != nil {
@@ -39,12 +38,12 @@ func TestRecordForgetAndList(t *testing.T) {
 			t.Fatalf("forget %s: %v", uid, err)
 		}
 	}
-	if d.Recorded(a) || !d.Recorded(b) {
+	if recorded(t, d, a) || !recorded(t, d, b) {
 		t.Fatal("Forget removed the wrong record")
 	}
 	// Reopened, as by the next agent: the records are still there.
 	again, err := Open(dir)
-	if err != nil || !again.Recorded(b) {
+	if err != nil || !recorded(t, again, b) {
 		t.Fatalf("the record did not outlive its writer: %v", err)
 	}
 	if err := again.Remove(); err != nil {
@@ -75,7 +74,7 @@ func TestUIDsThatCannotNameARecordAreRefused(t *testing.T) {
 		if err := d.Forget(uid); err == nil {
 			t.Errorf("Forget(%q) succeeded", uid)
 		}
-		if d.Recorded(uid) {
+		if recorded(t, d, uid) {
 			t.Errorf("Recorded(%q) = true", uid)
 		}
 	}
@@ -88,7 +87,7 @@ func TestUIDsThatCannotNameARecordAreRefused(t *testing.T) {
 	if err := os.Symlink("/etc/hostname", filepath.Join(dir, "link")); err != nil {
 		t.Fatal(err)
 	}
-	if d.Recorded("subdir") || d.Recorded("link") {
+	if recorded(t, d, "subdir") || recorded(t, d, "link") {
 		t.Fatal("a directory or a symlink taken for a record")
 	}
 	if err := d.Record("link"); err == nil {
@@ -96,5 +95,46 @@ func TestUIDsThatCannotNameARecordAreRefused(t *testing.T) {
 	}
 	if got, _ := d.List(); len(got) != 0 {
 		t.Fatalf("List = %v, want none", got)
+	}
+}
+
+func recorded(t *testing.T, d *Dir, uid string) bool {
+	t.Helper()
+	ok, err := d.Recorded(uid)
+	if err != nil {
+		t.Fatalf("Recorded(%q): %v", uid, err)
+	}
+	return ok
+}
+
+// A directory left looser by someone else is made the agent's alone; a
+// record that cannot be looked up is an error, not "no record".
+func TestOpenTightensTheDirectoryAndLookupErrorsAreErrors(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "enrolled")
+	if err := os.Mkdir(dir, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(dir, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	d, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Stat(dir); err != nil || fi.Mode().Perm() != 0o700 {
+		t.Fatalf("directory %v (%v), want mode 0700", fi, err)
+	}
+	// The directory replaced by a file: a lookup fails with ENOTDIR.
+	if err := os.Remove(dir); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(dir, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := d.Recorded("u1"); err == nil {
+		t.Fatalf("Recorded with the directory replaced by a file = %v, nil; want an error", ok)
+	}
+	if err := d.Record("u1"); err == nil {
+		t.Fatal("Record with the directory replaced by a file succeeded")
 	}
 }
