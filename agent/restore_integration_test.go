@@ -20,15 +20,12 @@ import (
 	"github.com/inpod-dev/inpod/agent/redirect"
 )
 
-// A killed agent's successor disturbs no enrolled pod's traffic even when it
-// cannot find the pod's netns (no process of it in its cgroup): ztunnel
-// keeps the proxy (snapshot Keep) and the probe exemption stays. A pod whose
-// namespace lost its label while no agent ran leaves the mesh: rules,
-// proxy, annotation.
-func TestIntegrationRestartHoldsAnUnfoundPodAndReleasesAnUnlabelledOne(t *testing.T) {
+// newRestoreWorld is a world with an enrolled namespace "leaving" (the
+// tests take its label away while no agent runs) and the agent built as a
+// binary, to be killed and started again.
+func newRestoreWorld(t *testing.T) (*world, string) {
 	w := newWorld(t)
-	ctx := context.Background()
-	if _, err := w.client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving",
+	if _, err := w.client.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving",
 		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -36,6 +33,29 @@ func TestIntegrationRestartHoldsAnUnfoundPodAndReleasesAnUnlabelledOne(t *testin
 	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/inpod-agent").CombinedOutput(); err != nil {
 		t.Fatalf("build inpod-agent: %v: %s", err, out)
 	}
+	return w, bin
+}
+
+func unlabel(t *testing.T, w *world, namespace string) {
+	t.Helper()
+	ctx := context.Background()
+	ns, err := w.client.CoreV1().Namespaces().Get(ctx, namespace, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns.Labels = nil
+	if _, err := w.client.CoreV1().Namespaces().Update(ctx, ns, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A killed agent's successor disturbs no enrolled pod's traffic even when it
+// cannot find the pod's netns (no process of it in its cgroup): ztunnel
+// keeps the proxy (snapshot Keep) and the probe exemption stays. A pod whose
+// namespace lost its label while no agent ran leaves the mesh: rules,
+// proxy, annotation.
+func TestIntegrationRestartHoldsAnUnfoundPodAndReleasesAnUnlabelledOne(t *testing.T) {
+	w, bin := newRestoreWorld(t)
 	first := w.startAgentProcess(bin)
 
 	unfound, unfoundNS := w.pod("mesh", "unfound")
@@ -59,14 +79,7 @@ func TestIntegrationRestartHoldsAnUnfoundPodAndReleasesAnUnlabelledOne(t *testin
 
 	first.cmd.Process.Signal(syscall.SIGKILL)
 	first.cmd.Wait()
-	ns, err := w.client.CoreV1().Namespaces().Get(ctx, "leaving", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ns.Labels = nil
-	if _, err := w.client.CoreV1().Namespaces().Update(ctx, ns, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	unlabel(t, w, "leaving")
 	connects := w.standin.Connects()
 	w.startAgentProcess(bin)
 	w.eventually("ztunnel reconnected and re-snapshotted", func() bool {
@@ -111,16 +124,7 @@ func TestIntegrationRestartHoldsAnUnfoundPodAndReleasesAnUnlabelledOne(t *testin
 // namespace lost its label while no agent ran has its rules removed rather
 // than being left blocked.
 func TestIntegrationRestartWithoutAnnotationsUsesTheNodesRecord(t *testing.T) {
-	w := newWorld(t)
-	ctx := context.Background()
-	if _, err := w.client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving",
-		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	bin := filepath.Join(t.TempDir(), "inpod-agent")
-	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/inpod-agent").CombinedOutput(); err != nil {
-		t.Fatalf("build inpod-agent: %v: %s", err, out)
-	}
+	w, bin := newRestoreWorld(t)
 	direct := w.cfg.Kubeconfig
 	w.cfg.Kubeconfig = apiProxy(t, w.cp, func(r *http.Request) bool {
 		return r.Method != http.MethodPatch || !strings.Contains(r.URL.Path, "/pods/")
@@ -146,14 +150,7 @@ func TestIntegrationRestartWithoutAnnotationsUsesTheNodesRecord(t *testing.T) {
 		}
 	}
 
-	ns, err := w.client.CoreV1().Namespaces().Get(ctx, "leaving", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ns.Labels = nil
-	if _, err := w.client.CoreV1().Namespaces().Update(ctx, ns, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	unlabel(t, w, "leaving")
 	w.cfg.Kubeconfig = direct
 	connects := w.standin.Connects()
 	w.startAgentProcess(bin)

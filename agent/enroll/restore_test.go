@@ -59,6 +59,37 @@ func (f *fixture) restart(z *ztunnel.Standin) {
 	})
 }
 
+// checkKept checks that a pod the previous agent enrolled kept, across the
+// restart, what its rules point at: ztunnel's proxy and its probe
+// exemption, and the rules themselves.
+func (f *fixture) checkKept(z *ztunnel.Standin, pod *corev1.Pod, sb sandbox) {
+	f.t.Helper()
+	if _, ok := inZtunnel(z, pod); !ok {
+		f.t.Errorf("ztunnel dropped the proxy of %s, whose rules are in place: its traffic is black-holed", pod.Name)
+	}
+	if !hasRules(f.t, sb) {
+		f.t.Errorf("the rules of %s are gone", pod.Name)
+	}
+	if !f.exempted(sb.ip) {
+		f.t.Errorf("the probe exemption of %s (%s) was pruned: its probes go to a proxy", pod.Name, sb.ip)
+	}
+}
+
+// checkReleased checks that a pod that left the mesh while no agent ran
+// is out of it after the restart: no rules, no proxy, no exemption.
+func (f *fixture) checkReleased(z *ztunnel.Standin, pod *corev1.Pod, sb sandbox) {
+	f.t.Helper()
+	if hasRules(f.t, sb) {
+		f.t.Fatal("the pod left the mesh while no agent ran, and still has its rules after the restart: it is blocked")
+	}
+	if _, ok := inZtunnel(z, pod); ok {
+		f.t.Error("ztunnel still runs a proxy for a pod outside the mesh")
+	}
+	if f.exempted(sb.ip) {
+		f.t.Error("the pod outside the mesh keeps its probe exemption")
+	}
+}
+
 // recorded says whether the node's record names uid.
 func (f *fixture) recorded(uid types.UID) bool {
 	f.t.Helper()
@@ -114,20 +145,8 @@ func TestRestartKeepsAnEnrolledPodWhoseNetnsIsNotFound(t *testing.T) {
 	f.annotate(fresh, enroll.AnnotationPending)
 
 	f.restart(z)
-	for _, c := range []struct {
-		pod *corev1.Pod
-		sb  sandbox
-	}{{pod, sb}, {fresh, freshSB}} {
-		if _, ok := inZtunnel(z, c.pod); !ok {
-			t.Errorf("ztunnel dropped the proxy of %s, whose rules are in place: its traffic is black-holed", c.pod.Name)
-		}
-		if !hasRules(t, c.sb) {
-			t.Errorf("the rules of %s are gone", c.pod.Name)
-		}
-		if !f.exempted(c.sb.ip) {
-			t.Errorf("the probe exemption of %s (%s) was pruned: its probes go to a proxy", c.pod.Name, c.sb.ip)
-		}
-	}
+	f.checkKept(z, pod, sb)
+	f.checkKept(z, fresh, freshSB)
 	if errs := z.ProtocolErrors(); len(errs) != 0 {
 		t.Fatalf("protocol errors: %v", errs)
 	}
@@ -155,11 +174,10 @@ func TestRestartKeepsAnEnrolledPodWhoseNetnsIsNotFound(t *testing.T) {
 	}
 }
 
-// A pod enrolled by the previous agent whose namespace lost its label while
-// no agent ran leaves the mesh at restart: rules out of its netns (found
-// through procfs), annotation removed, proxy and exemption gone. Left alone,
-// its rules would point at a proxy the new snapshot drops.
-func TestRestartRemovesAPodUnlabelledWhileNoAgentRan(t *testing.T) {
+// enrolledThenUnlabelled enrolls a running pod in namespace "leaving",
+// annotated as given ("" for an annotation that never landed), and takes
+// the namespace's label away, as if no agent ran.
+func enrolledThenUnlabelled(t *testing.T, annotation string) (*fixture, *ztunnel.Standin, *corev1.Pod, sandbox) {
 	f := newFixture(t)
 	f.cache.mu.Lock()
 	f.cache.namespaces["leaving"] = &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving",
@@ -171,21 +189,24 @@ func TestRestartRemovesAPodUnlabelledWhileNoAgentRan(t *testing.T) {
 		t.Fatalf("ADD = %q, %v", out, err)
 	}
 	sb.RunAsPod(t, string(pod.UID))
-	f.annotate(f.running(pod, sb), enroll.AnnotationEnabled)
+	running := f.running(pod, sb)
+	if annotation != "" {
+		f.annotate(running, annotation)
+	}
 	f.cache.mu.Lock()
 	f.cache.namespaces["leaving"] = &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving"}}
 	f.cache.mu.Unlock()
+	return f, z, pod, sb
+}
 
+// A pod enrolled by the previous agent whose namespace lost its label while
+// no agent ran leaves the mesh at restart: rules out of its netns (found
+// through procfs), annotation removed, proxy and exemption gone. Left alone,
+// its rules would point at a proxy the new snapshot drops.
+func TestRestartRemovesAPodUnlabelledWhileNoAgentRan(t *testing.T) {
+	f, z, pod, sb := enrolledThenUnlabelled(t, enroll.AnnotationEnabled)
 	f.restart(z)
-	if hasRules(t, sb) {
-		t.Fatal("the pod left the mesh while no agent ran, and still has its rules after the restart: it is blocked")
-	}
-	if _, ok := inZtunnel(z, pod); ok {
-		t.Error("ztunnel still runs a proxy for a pod outside the mesh")
-	}
-	if f.exempted(sb.ip) {
-		t.Error("the pod outside the mesh keeps its probe exemption")
-	}
+	f.checkReleased(z, pod, sb)
 	f.rec.mu.Lock()
 	got, ok := f.rec.annots[types.NamespacedName{Namespace: "leaving", Name: "app"}]
 	f.rec.mu.Unlock()
@@ -285,15 +306,7 @@ func TestRestartKeepsARecordedPodWhoseAnnotationNeverLanded(t *testing.T) {
 		pod *corev1.Pod
 		sb  sandbox
 	}{{pod, sb}, {fresh, freshSB}} {
-		if _, ok := inZtunnel(z, c.pod); !ok {
-			t.Errorf("ztunnel dropped the proxy of %s, whose rules are in place: its traffic is black-holed", c.pod.Name)
-		}
-		if !hasRules(t, c.sb) {
-			t.Errorf("the rules of %s are gone", c.pod.Name)
-		}
-		if !f.exempted(c.sb.ip) {
-			t.Errorf("the probe exemption of %s (%s) was pruned: its probes go to a proxy", c.pod.Name, c.sb.ip)
-		}
+		f.checkKept(z, c.pod, c.sb)
 		if !f.recorded(c.pod.UID) {
 			t.Errorf("the record of held pod %s was pruned", c.pod.Name)
 		}
@@ -348,32 +361,9 @@ func TestAddFailsClosedWhenThePodCannotBeRecorded(t *testing.T) {
 // there, and they come out. Without it the pod would keep rules pointing at
 // a proxy ztunnel no longer runs: outside the mesh, and blocked.
 func TestRestartRemovesARecordedPodUnlabelledWhileNoAgentRan(t *testing.T) {
-	f := newFixture(t)
-	f.cache.mu.Lock()
-	f.cache.namespaces["leaving"] = &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving",
-		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}}
-	f.cache.mu.Unlock()
-	z, _ := f.standin(ztunnel.Config{})
-	pod, sb := f.pod("leaving", "app", nil), f.sandbox()
-	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
-		t.Fatalf("ADD = %q, %v", out, err)
-	}
-	sb.RunAsPod(t, string(pod.UID))
-	f.running(pod, sb)
-	f.cache.mu.Lock()
-	f.cache.namespaces["leaving"] = &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving"}}
-	f.cache.mu.Unlock()
-
+	f, z, pod, sb := enrolledThenUnlabelled(t, "")
 	f.restart(z)
-	if hasRules(t, sb) {
-		t.Fatal("the pod left the mesh while no agent ran, and still has its rules after the restart: it is blocked")
-	}
-	if _, ok := inZtunnel(z, pod); ok {
-		t.Error("ztunnel still runs a proxy for a pod outside the mesh")
-	}
-	if f.exempted(sb.ip) {
-		t.Error("the pod outside the mesh keeps its probe exemption")
-	}
+	f.checkReleased(z, pod, sb)
 	if f.recorded(pod.UID) {
 		t.Error("the record of a pod taken out of the mesh is still there")
 	}
