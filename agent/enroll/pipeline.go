@@ -324,7 +324,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 			// sandbox whose rules it stands for is not this one.
 			if recorded && rulesOut && p.heldPod(pod.UID) == nil {
 				if err := p.forget(pod.UID); err != nil {
-					p.log.Warn("could not drop the record of a sandbox whose start failed; the next agent treats the pod as enrolled once", "pod", key, "err", err)
+					p.log.Warn("could not drop the record of a sandbox whose start failed; the next agent takes the pod for enrolled before", "pod", key, "err", err)
 				}
 			}
 		}
@@ -671,7 +671,7 @@ func (p *Pipeline) unenroll(ctx context.Context, uid types.UID, e *entry) error 
 	}
 	e.netns.Close()
 	if err := p.forget(uid); err != nil {
-		p.log.Warn("could not drop the pod's record; the next agent treats it as enrolled once", "pod", e.pod, "err", err)
+		p.log.Warn("could not drop the pod's record; the next agent takes it for enrolled before", "pod", e.pod, "err", err)
 	}
 	p.cfg.Annotations.Set(e.pod, "")
 	p.cfg.Observer.Removed()
@@ -1042,7 +1042,7 @@ func (p *Pipeline) release(ctx context.Context, uid types.UID, h *heldPod, ips [
 		return err
 	}
 	if err := p.forget(uid); err != nil {
-		p.log.Warn("could not drop the pod's record; the next agent treats it as enrolled once", "pod", h.pod, "err", err)
+		p.log.Warn("could not drop the pod's record; the next agent takes it for enrolled before", "pod", h.pod, "err", err)
 	}
 	p.cfg.Annotations.Set(h.pod, "")
 	p.cfg.Observer.Removed()
