@@ -118,7 +118,8 @@ func TestIntegrationRestartHoldsAnUnfoundPodAndReleasesAnUnlabelledOne(t *testin
 }
 
 // The same restart when none of the first agent's annotation patches
-// landed (it died before them; here the API refuses them): the node's
+// landed (it died before them; here a proxy answers them with an empty
+// response, which client-go takes for a failure): the node's
 // record of pods with rules stands in. A pod whose status has no IPs yet is
 // held, so ztunnel keeps the proxy its rules point at; a pod whose
 // namespace lost its label while no agent ran has its rules removed rather

@@ -131,10 +131,19 @@ func (w *AnnotationWriter) yield(ctx context.Context) {
 		return
 	}
 	quiet := w.busy.Quiet()
+	backlog := w.queue.Len()
+	if quiet == nil || backlog < MaxDeferredBacklog && !w.draining {
+		// A signal from a backlog already written must not cut the next
+		// wait short.
+		select {
+		case <-w.backlogFull:
+		default:
+		}
+	}
 	if quiet == nil {
+		w.draining = false
 		return
 	}
-	backlog := w.queue.Len()
 	if backlog >= MaxDeferredBacklog {
 		w.draining = true
 	}
@@ -157,7 +166,7 @@ func (w *AnnotationWriter) yield(ctx context.Context) {
 	case <-quiet:
 	case <-timer.C:
 	case <-w.backlogFull:
-		w.draining = true
+		w.draining = w.queue.Len() >= MaxDeferredBacklog
 	case <-ctx.Done():
 	}
 }
@@ -179,10 +188,18 @@ func (w *AnnotationWriter) Flush(ctx context.Context) error {
 		}
 		if err := w.write(ctx, pod); err != nil {
 			errs = append(errs, fmt.Errorf("annotate %s: %w", pod, err))
+			if len(errs) == maxFlushErrors {
+				errs = append(errs, fmt.Errorf("and %d more not tried", len(pods)-i-1))
+				break
+			}
 		}
 	}
 	return errors.Join(errs...)
 }
+
+// maxFlushErrors bounds the failures Flush lists: with the API server
+// away, every write fails the same way.
+const maxFlushErrors = 5
 
 func (w *AnnotationWriter) write(ctx context.Context, pod types.NamespacedName) error {
 	w.mu.Lock()

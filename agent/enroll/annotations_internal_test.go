@@ -55,13 +55,27 @@ func (a *fakeActivity) waitAsked(t *testing.T) {
 	}
 }
 
+// clearAsked forgets the writer's earlier questions.
+func (a *fakeActivity) clearAsked() {
+	for {
+		select {
+		case <-a.asked:
+		default:
+			return
+		}
+	}
+}
+
 func (a *fakeActivity) Quiet() <-chan struct{} {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.idle == nil {
 		return nil
 	}
-	a.asked <- struct{}{}
+	select {
+	case a.asked <- struct{}{}:
+	default: // nobody needs more than the buffer holds
+	}
 	return a.idle
 }
 
@@ -174,15 +188,31 @@ func TestAnnotationWriterStopsWaitingWithALongBacklog(t *testing.T) {
 	busy := newFakeActivity()
 	w, log := startWriter(t, busy, time.Hour)
 	busy.begin()
-	defer busy.end()
 	w.Set(types.NamespacedName{Namespace: "mesh", Name: "first"}, AnnotationEnabled)
 	busy.waitAsked(t) // the writer holds "first" and waits
-	for i := range MaxDeferredBacklog {
+	// A few past the bound: their signals come while the writer drains.
+	const n = MaxDeferredBacklog + 5
+	for i := range n {
 		w.Set(types.NamespacedName{Namespace: "mesh", Name: fmt.Sprintf("p%d", i)}, AnnotationEnabled)
 	}
 	testkit.Eventually(t, 10*time.Second, "every annotation written while the node stays busy", func() bool {
-		return len(log.all()) == MaxDeferredBacklog+1
+		return len(log.all()) == n+1
 	})
+	busy.end()
+	busy.clearAsked()
+
+	// The next busy spell is waited out again: nothing of the backlog
+	// (its signal, its draining) carries over.
+	busy.begin()
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "late"}, AnnotationPending)
+	busy.waitAsked(t)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "late"}, AnnotationEnabled)
+	busy.end()
+	testkit.Eventually(t, 10*time.Second, "the late pod written", func() bool { return len(log.all()) > n+1 })
+	w.queue.ShutDownWithDrain()
+	if got := log.all()[n+1:]; !slices.Equal(got, []string{"late=enabled"}) {
+		t.Fatalf("after the backlog, patches %v; want late=enabled alone (its pending waited out)", got)
+	}
 }
 
 // Flush writes what the stopped writer still held, and once its context
