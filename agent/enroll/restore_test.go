@@ -285,7 +285,7 @@ func TestRestartKeepsATerminatingEnrolledPodWithoutAnnotation(t *testing.T) {
 // are, not taken for pods that were never enrolled.
 func TestRestartKeepsARecordedPodWhoseAnnotationNeverLanded(t *testing.T) {
 	f := newFixture(t)
-	z, _ := f.standin(ztunnel.Config{})
+	z, stopZtunnel := f.standin(ztunnel.Config{})
 	pod, sb := f.pod("mesh", "unfound", nil), f.sandbox()
 	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
 		t.Fatalf("ADD = %q, %v", out, err)
@@ -318,6 +318,17 @@ func TestRestartKeepsARecordedPodWhoseAnnotationNeverLanded(t *testing.T) {
 	}
 	if !f.recorded(pod.UID) || !f.recorded(fresh.UID) {
 		t.Error("pruning dropped the record of a held pod")
+	}
+
+	// A new sandbox of the held pod fails to start (ztunnel gone): the
+	// start is rolled back, but the record stands for the held sandbox's
+	// rules, not this one's, and stays.
+	stopZtunnel()
+	if out, _ := f.add(fresh, f.sandbox(), "c3"); out != cnievent.Failed {
+		t.Fatalf("ADD without ztunnel = %q, want failed", out)
+	}
+	if !f.recorded(fresh.UID) {
+		t.Error("a failed start of a new sandbox dropped the held pod's record")
 	}
 }
 
