@@ -64,12 +64,13 @@ func (b *IPTables) Name() string { return "iptables-" + string(b.mode) }
 // restore that swaps the old set for the new atomically).
 func (b *IPTables) Apply(ns *os.File, opts Options, families []Family) (bool, error) {
 	changed := false
+	presentIn, err := b.presentByFamily(ns)
+	if err != nil {
+		return false, err
+	}
 	for _, f := range []Family{IPv4, IPv6} {
 		want := iptablesRules(f, opts)
-		present, err := b.present(ns, f)
-		if err != nil {
-			return changed, err
-		}
+		present := presentIn[f]
 		var input string
 		switch {
 		case !slices.Contains(families, f) && !present:
@@ -102,13 +103,13 @@ func (b *IPTables) Apply(ns *os.File, opts Options, families []Family) (bool, er
 }
 
 func (b *IPTables) Remove(ns *os.File) (bool, error) {
+	presentIn, err := b.presentByFamily(ns)
+	if err != nil {
+		return false, err
+	}
 	changed := false
 	for _, f := range []Family{IPv4, IPv6} {
-		present, err := b.present(ns, f)
-		if err != nil || !present {
-			if err != nil {
-				return changed, err
-			}
+		if !presentIn[f] {
 			continue
 		}
 		saved, err := b.save(ns, f)
@@ -132,10 +133,11 @@ func (b *IPTables) Remove(ns *os.File) (bool, error) {
 // hold nothing but empty built-in chains, so Remove leaves the netns as it
 // found it. Legacy tables cannot be deleted; they stay, empty.
 func dropEmptyTables(ns *os.File, f Family) error {
-	conn, err := nftables.New(nftables.WithNetNSFd(int(ns.Fd())))
+	conn, done, err := nftConn(ns)
 	if err != nil {
-		return fmt.Errorf("redirect: netlink: %w", err)
+		return fmt.Errorf("redirect: %w", err)
 	}
+	defer done()
 	family := nftables.TableFamilyIPv4
 	if f == IPv6 {
 		family = nftables.TableFamilyIPv6
@@ -175,66 +177,79 @@ func dropEmptyTables(ns *os.File, f Family) error {
 }
 
 func (b *IPTables) Present(ns *os.File) (bool, error) {
-	for _, f := range []Family{IPv4, IPv6} {
-		if ok, err := b.present(ns, f); ok || err != nil {
-			return ok, err
-		}
-	}
-	return false, nil
+	present, err := b.presentByFamily(ns)
+	return present[IPv4] || present[IPv6], err
 }
 
-// present answers "are inpod chains here?" as cheaply as it can: iptables-nft
-// keeps its chains in nf_tables, readable over netlink without exec; legacy
-// tables show in the netns' procfs once created, and only when some exist
-// does iptables-save have to look inside. A fresh pod netns has neither, so
-// its first Apply costs exactly one restore per family.
-func (b *IPTables) present(ns *os.File, f Family) (bool, error) {
+// presentByFamily answers "are inpod chains here?" per family as cheaply as
+// it can, since the agent asks it of every pod: iptables-nft keeps its
+// chains in nf_tables, readable over netlink without exec (both families in
+// one request); legacy tables show in the netns' procfs once created, and
+// only when some exist does iptables-save have to look inside. A fresh pod
+// netns has neither, so its first Apply costs exactly one restore per
+// family.
+func (b *IPTables) presentByFamily(ns *os.File) (map[Family]bool, error) {
 	if b.mode == IPTablesLegacy {
-		names := "ip_tables_names"
-		if f == IPv6 {
-			names = "ip6_tables_names"
-		}
-		var tables []byte
-		err := netns.Do(ns, func() error {
-			var err error
-			tables, err = os.ReadFile("/proc/thread-self/net/" + names)
-			if errors.Is(err, os.ErrNotExist) {
-				return nil // module not loaded: no legacy table anywhere
+		return b.presentLegacy(ns)
+	}
+	return presentNFT(ns)
+}
+
+func (b *IPTables) presentLegacy(ns *os.File) (map[Family]bool, error) {
+	names := map[Family]string{IPv4: "ip_tables_names", IPv6: "ip6_tables_names"}
+	tables := map[Family][]byte{}
+	err := netns.Do(ns, func() error {
+		for f, name := range names {
+			data, err := os.ReadFile("/proc/thread-self/net/" + name)
+			if err != nil && !errors.Is(err, os.ErrNotExist) { // absent: module not loaded, no legacy table anywhere
+				return err
 			}
-			return err
-		})
-		if err != nil {
-			return false, fmt.Errorf("redirect: read legacy table list: %w", err)
+			tables[f] = data
 		}
-		if len(bytes.TrimSpace(tables)) == 0 {
-			return false, nil
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("redirect: read legacy table list: %w", err)
+	}
+	present := map[Family]bool{}
+	for f, names := range tables {
+		if len(bytes.TrimSpace(names)) == 0 {
+			continue
 		}
 		// Legacy tables cannot be deleted once created, so their existence
 		// says little; only here does the look-up need an exec.
 		saved, err := b.save(ns, f)
 		if err != nil {
-			return false, err
+			return nil, err
 		}
-		return len(saved.tablesWithInpodChains()) > 0, nil
+		present[f] = len(saved.tablesWithInpodChains()) > 0
 	}
-	conn, err := nftables.New(nftables.WithNetNSFd(int(ns.Fd())))
+	return present, nil
+}
+
+func presentNFT(ns *os.File) (map[Family]bool, error) {
+	conn, done, err := nftConn(ns)
 	if err != nil {
-		return false, fmt.Errorf("redirect: netlink: %w", err)
+		return nil, fmt.Errorf("redirect: %w", err)
 	}
-	family := nftables.TableFamilyIPv4
-	if f == IPv6 {
-		family = nftables.TableFamilyIPv6
-	}
-	chains, err := conn.ListChainsOfTableFamily(family)
+	defer done()
+	chains, err := conn.ListChains()
 	if err != nil {
-		return false, fmt.Errorf("redirect: list %s chains: %w", f, err)
+		return nil, fmt.Errorf("redirect: list chains: %w", err)
 	}
+	present := map[Family]bool{}
 	for _, c := range chains {
-		if strings.HasPrefix(c.Name, chainPrefix) {
-			return true, nil
+		if !strings.HasPrefix(c.Name, chainPrefix) {
+			continue
+		}
+		switch c.Table.Family {
+		case nftables.TableFamilyIPv4:
+			present[IPv4] = true
+		case nftables.TableFamilyIPv6:
+			present[IPv6] = true
 		}
 	}
-	return false, nil
+	return present, nil
 }
 
 func (b *IPTables) save(ns *os.File, f Family) (savedRules, error) {

@@ -219,22 +219,29 @@ func redirect(p uint16) []expr.Any {
 
 func accept() []expr.Any { return []expr.Any{&expr.Verdict{Kind: expr.VerdictAccept}} }
 
-func (n *NFTables) conn(ns *os.File) (*nftables.Conn, error) {
-	c, err := nftables.New(nftables.WithNetNSFd(int(ns.Fd())))
+// nftConn opens one netlink socket in ns for all of an operation's
+// requests: without it the library opens one per request, and each open
+// moves a locked OS thread into the pod netns and back. Pod-netns
+// operations run by the hundred in a burst of pod starts, where those
+// switches and the sockets' buffers were most of the rule apply's cost.
+// The caller must call the returned close.
+func nftConn(ns *os.File) (*nftables.Conn, func(), error) {
+	c, err := nftables.New(nftables.WithNetNSFd(int(ns.Fd())), nftables.AsLasting())
 	if err != nil {
-		return nil, fmt.Errorf("netlink: %w", err)
+		return nil, nil, fmt.Errorf("netlink: %w", err)
 	}
-	return c, nil
+	return c, func() { _ = c.CloseLasting() }, nil
 }
 
 // Apply leaves an intact table alone; otherwise it deletes whatever inpod
 // table is there and writes the wanted one in the same batch, so the pod
 // never sees a half-applied set.
 func (n *NFTables) Apply(ns *os.File, opts Options, fams []Family) (bool, error) {
-	c, err := n.conn(ns)
+	c, done, err := nftConn(ns)
 	if err != nil {
 		return false, err
 	}
+	defer done()
 	want := nftRules(opts, fams)
 	present, err := tableExists(c)
 	if err != nil {
@@ -265,10 +272,11 @@ func (n *NFTables) Apply(ns *os.File, opts Options, fams []Family) (bool, error)
 }
 
 func (n *NFTables) Remove(ns *os.File) (bool, error) {
-	c, err := n.conn(ns)
+	c, done, err := nftConn(ns)
 	if err != nil {
 		return false, err
 	}
+	defer done()
 	present, err := tableExists(c)
 	if err != nil || !present {
 		return false, err
@@ -281,10 +289,11 @@ func (n *NFTables) Remove(ns *os.File) (bool, error) {
 }
 
 func (n *NFTables) Present(ns *os.File) (bool, error) {
-	c, err := n.conn(ns)
+	c, done, err := nftConn(ns)
 	if err != nil {
 		return false, err
 	}
+	defer done()
 	return tableExists(c)
 }
 

@@ -15,7 +15,9 @@ import (
 // netlinkIn opens a netlink handle whose sockets live in ns, so no thread
 // has to switch namespaces.
 func netlinkIn(ns *os.File) (*netlink.Handle, error) {
-	h, err := netlink.NewHandleAt(vnetns.NsHandle(int(ns.Fd())))
+	// Only the route family: the handle opens one socket per family it
+	// serves, each from a thread moved into the pod netns and back.
+	h, err := netlink.NewHandleAt(vnetns.NsHandle(int(ns.Fd())), unix.NETLINK_ROUTE)
 	if err != nil {
 		return nil, fmt.Errorf("redirect: netlink in pod netns: %w", err)
 	}
