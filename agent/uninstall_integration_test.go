@@ -199,6 +199,10 @@ func (w *world) assertRemoved(t *testing.T, original []byte, pod *corev1.Pod, sa
 	if _, err := os.Stat(filepath.Join(filepath.Dir(w.cfg.CNISocket), "not-enrolled")); !os.IsNotExist(err) {
 		t.Fatalf("the pass list was left: %v", err)
 	}
+	// Every pod's rules came out, so no record names a pod with rules.
+	if _, err := os.Stat(filepath.Join(filepath.Dir(w.cfg.CNISocket), "enrolled")); !os.IsNotExist(err) {
+		t.Fatalf("the record of enrolled pods was left: %v", err)
+	}
 }
 
 // An agent stopping after its DaemonSet was deleted removes inpod from the
@@ -216,6 +220,9 @@ func TestIntegrationShutdownAfterItsDaemonSetIsDeletedRemovesInpod(t *testing.T)
 	stop := w.runAgent()
 	pod, sandbox := w.enrolledPod("a")
 	w.eventually("the access file", func() bool { _, err := apiaccess.Read(filepath.Join(w.confDir, apiaccess.FileName)); return err == nil })
+	if _, err := os.Stat(filepath.Join(filepath.Dir(w.cfg.CNISocket), "enrolled", string(pod.UID))); err != nil {
+		t.Fatalf("the enrolled pod has no record: %v", err)
+	}
 	w.deleteDaemonSet(ds)
 	w.terminate(self)
 	if err := stop(); err != nil {

@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/cnievent"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
@@ -428,5 +429,27 @@ func TestEnrolledRecordFollowsThePodsRules(t *testing.T) {
 	f.restart(z)
 	if recorded(gone) {
 		t.Fatal("the record of a pod gone from the API survived the restart")
+	}
+}
+
+// A start that fails on a sandbox whose rules were already in place (an
+// intact set is not rewritten, so the rollback leaves it) keeps the pod's
+// record: every netns with rules has one, or the next agent could take
+// the pod for never enrolled.
+func TestFailedStartKeepsTheRecordOfRulesItFoundInPlace(t *testing.T) {
+	f := newFixture(t)
+	pod, sb := f.pod("mesh", "found", nil), f.sandbox()
+	if _, err := redirect.NewEngine(redirect.NewNFTables()).Apply(sb.Open(t), redirect.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	// No ztunnel: the start fails after the rules step.
+	if out, _ := f.add(pod, sb, "c0"); out != cnievent.Failed {
+		t.Fatalf("ADD without ztunnel = %q, want failed", out)
+	}
+	if !hasRules(t, sb) {
+		t.Fatal("the rollback took out rules it had not written")
+	}
+	if !f.recorded(pod.UID) {
+		t.Fatal("the sandbox kept its rules but the pod lost its record")
 	}
 }
