@@ -204,3 +204,48 @@ func expectMembers(t *testing.T, probes *redirect.HostProbes, want ...netip.Addr
 		t.Fatalf("probe set holds %v, want %v", got, want)
 	}
 }
+
+// Leftovers of an iptables backend in one IP family only are found and
+// removed: presence is looked up for both families in one pass, and a
+// miss here would leave a pod's IPv6 traffic redirected after a switch of
+// backend or an uninstall.
+func TestIPTablesLeftoversInOneFamilyAreFound(t *testing.T) {
+	for _, c := range []struct {
+		mode redirect.IPTablesMode
+		ip6t string
+	}{{redirect.IPTablesNFT, "ip6tables-nft"}, {redirect.IPTablesLegacy, "ip6tables-legacy"}} {
+		t.Run(string(c.mode), func(t *testing.T) {
+			ns := netnstest.New(t)
+			f := ns.Open(t)
+			b := mustIPTables(t, c.mode)
+			ns.Exec(t, c.ip6t, "-t", "nat", "-N", "INPOD_LEFT")
+			if present, err := b.Present(f); err != nil || !present {
+				t.Fatalf("Present with an IPv6-only inpod chain = %v, %v; want true", present, err)
+			}
+			if changed, err := b.Remove(f); err != nil || !changed {
+				t.Fatalf("Remove = %v, %v; want changed", changed, err)
+			}
+			if present, err := b.Present(f); err != nil || present {
+				t.Fatalf("Present after Remove = %v, %v; want false", present, err)
+			}
+			if got := ns.Exec(t, c.ip6t+"-save"); strings.Contains(got, "INPOD_") {
+				t.Fatalf("the chain is still there:\n%s", got)
+			}
+		})
+	}
+}
+
+// Only the ip and ip6 families hold iptables' chains: an inpod-named chain
+// in another family's table is not an iptables leftover, and listing every
+// family's chains does not trip over them.
+func TestIPTablesNFTIgnoresOtherFamiliesChains(t *testing.T) {
+	ns := netnstest.New(t)
+	f := ns.Open(t)
+	for _, family := range []string{"bridge", "arp", "netdev"} {
+		ns.Exec(t, "nft", "add", "table", family, "other")
+		ns.Exec(t, "nft", "add", "chain", family, "other", "INPOD_NOT_IPTABLES")
+	}
+	if present, err := mustIPTables(t, redirect.IPTablesNFT).Present(f); err != nil || present {
+		t.Fatalf("Present = %v, %v; want false", present, err)
+	}
+}
