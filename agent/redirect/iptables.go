@@ -195,16 +195,22 @@ func (b *IPTables) presentByFamily(ns *os.File) (map[Family]bool, error) {
 	return presentNFT(ns)
 }
 
+// legacyTableLists are the procfs files that list a netns' legacy tables,
+// per family.
+var legacyTableLists = [...]struct {
+	family Family
+	file   string
+}{{IPv4, "ip_tables_names"}, {IPv6, "ip6_tables_names"}}
+
 func (b *IPTables) presentLegacy(ns *os.File) (map[Family]bool, error) {
-	names := map[Family]string{IPv4: "ip_tables_names", IPv6: "ip6_tables_names"}
-	tables := map[Family][]byte{}
+	var tables [len(legacyTableLists)][]byte
 	err := netns.Do(ns, func() error {
-		for f, name := range names {
-			data, err := os.ReadFile("/proc/thread-self/net/" + name)
+		for i, l := range legacyTableLists {
+			var err error
+			tables[i], err = os.ReadFile("/proc/thread-self/net/" + l.file)
 			if err != nil && !errors.Is(err, os.ErrNotExist) { // absent: module not loaded, no legacy table anywhere
 				return err
 			}
-			tables[f] = data
 		}
 		return nil
 	})
@@ -212,17 +218,17 @@ func (b *IPTables) presentLegacy(ns *os.File) (map[Family]bool, error) {
 		return nil, fmt.Errorf("redirect: read legacy table list: %w", err)
 	}
 	present := map[Family]bool{}
-	for f, names := range tables {
-		if len(bytes.TrimSpace(names)) == 0 {
+	for i, l := range legacyTableLists {
+		if len(bytes.TrimSpace(tables[i])) == 0 {
 			continue
 		}
 		// Legacy tables cannot be deleted once created, so their existence
 		// says little; only here does the look-up need an exec.
-		saved, err := b.save(ns, f)
+		saved, err := b.save(ns, l.family)
 		if err != nil {
 			return nil, err
 		}
-		present[f] = len(saved.tablesWithInpodChains()) > 0
+		present[l.family] = len(saved.tablesWithInpodChains()) > 0
 	}
 	return present, nil
 }
