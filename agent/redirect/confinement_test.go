@@ -1,0 +1,184 @@
+package redirect_test
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/netns/netnstest"
+)
+
+// inCallerNetNS runs fn on a goroutine whose OS thread has joined ns, so
+// that anything the engine does "in the caller's namespace" (a netlink
+// handle opening a socket family it was not given, a socket dialled
+// without a namespace) lands in ns, where the test can see it, instead of
+// in this machine's own.
+func inCallerNetNS(t *testing.T, ns *os.File, fn func() error) error {
+	t.Helper()
+	errc := make(chan error, 1)
+	go func() {
+		// The thread is never unlocked: it leaves ns only by dying with
+		// this goroutine.
+		runtime.LockOSThread()
+		if err := unix.Setns(int(ns.Fd()), unix.CLONE_NEWNET); err != nil {
+			errc <- fmt.Errorf("enter the caller's netns: %w", err)
+			return
+		}
+		errc <- fn()
+	}()
+	return <-errc
+}
+
+// podRulesOnThisMachine names what of a pod's rule set is in this
+// machine's own netns: nothing, as long as the engine stays in the pod's.
+// (The node's host probes live in a table of their own, inpod-host.)
+func podRulesOnThisMachine(t *testing.T) string {
+	t.Helper()
+	var found []string
+	if out, err := exec.Command("nft", "list", "table", "inet", "inpod").CombinedOutput(); err == nil {
+		found = append(found, "nftables table inet inpod:\n"+string(out))
+	}
+	for _, ip := range []string{"-4", "-6"} {
+		out, err := exec.Command("ip", ip, "rule", "show", "pref", fmt.Sprint(redirect.RulePriority)).CombinedOutput()
+		if err == nil && strings.Contains(string(out), fmt.Sprintf("lookup %d", redirect.RouteTable)) {
+			found = append(found, "ip "+ip+" rule: "+string(out))
+		}
+	}
+	for _, save := range []string{"iptables-legacy-save", "ip6tables-legacy-save"} {
+		if out, err := exec.Command(save).Output(); err == nil && strings.Contains(string(out), ":INPOD") {
+			found = append(found, save+" has INPOD chains")
+		}
+	}
+	return strings.Join(found, "\n")
+}
+
+// TestEngineStaysInThePodNetns drives every operation of every backend from
+// a caller in a namespace of its own and checks that neither that
+// namespace nor this machine's gains or loses anything: rules written in
+// the agent's netns would redirect or drop the node's own traffic, and a
+// Remove that acted there would leave the pod redirected.
+func TestEngineStaysInThePodNetns(t *testing.T) {
+	netnstest.RequireRoot(t)
+	machineBefore := podRulesOnThisMachine(t)
+	for name, newBackend := range backends(t) {
+		t.Run(name, func(t *testing.T) {
+			caller, pod := netnstest.New(t), netnstest.New(t)
+			callerNS, podNS := caller.Open(t), pod.Open(t)
+			var others []redirect.Backend
+			for other, b := range backends(t) {
+				if other != name {
+					others = append(others, b())
+				}
+			}
+			backend := newBackend()
+			engine := redirect.NewEngine(backend, others...)
+			callerBefore, podBefore := kernelState(t, caller), kernelState(t, pod)
+
+			err := inCallerNetNS(t, callerNS, func() error {
+				if _, err := engine.Apply(podNS, redirect.Options{}); err != nil {
+					return fmt.Errorf("apply: %w", err)
+				}
+				if present, err := backend.Present(podNS); err != nil || !present {
+					return fmt.Errorf("present after apply: %v, %v", present, err)
+				}
+				return nil
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := kernelState(t, caller); got != callerBefore {
+				t.Errorf("Apply changed the caller's netns:\n%s", lineDiff(callerBefore, got))
+			}
+			if kernelState(t, pod) == podBefore {
+				t.Fatal("Apply left the pod netns as it was: the test would prove nothing")
+			}
+
+			err = inCallerNetNS(t, callerNS, func() error {
+				if _, err := engine.Remove(podNS); err != nil {
+					return fmt.Errorf("remove: %w", err)
+				}
+				if present, err := backend.Present(podNS); err != nil || present {
+					return fmt.Errorf("present after remove: %v, %v", present, err)
+				}
+				return nil
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := kernelState(t, caller); got != callerBefore {
+				t.Errorf("Remove changed the caller's netns:\n%s", lineDiff(callerBefore, got))
+			}
+			if got := withoutHandles(kernelState(t, pod)); got != withoutHandles(podBefore) {
+				t.Errorf("Remove left the pod netns changed:\n%s", lineDiff(podBefore, got))
+			}
+		})
+	}
+	if got := podRulesOnThisMachine(t); got != machineBefore {
+		t.Errorf("the engine changed this machine's own netns:\nbefore:\n%s\nafter:\n%s", machineBefore, got)
+	}
+}
+
+// openFDs counts this process's open file descriptors.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	entries, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(entries)
+}
+
+// TestEngineLeaksNoFileDescriptors runs many pods' worth of every
+// operation: the agent does them by the thousand over its life, and each
+// opens netlink sockets in the pod netns; one left open per pod would run
+// the agent out of descriptors and keep dead pods' namespaces alive.
+func TestEngineLeaksNoFileDescriptors(t *testing.T) {
+	netnstest.RequireRoot(t)
+	for name, newBackend := range backends(t) {
+		t.Run(name, func(t *testing.T) {
+			var others []redirect.Backend
+			for other, b := range backends(t) {
+				if other != name {
+					others = append(others, b())
+				}
+			}
+			backend := newBackend()
+			engine := redirect.NewEngine(backend, others...)
+			pod := netnstest.New(t).Open(t)
+			cycle := func() {
+				t.Helper()
+				if _, err := engine.Apply(pod, redirect.Options{}); err != nil {
+					t.Fatal(err)
+				}
+				// Twice: the second Apply takes the path that finds the
+				// rules intact.
+				if _, err := engine.Apply(pod, redirect.Options{}); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := backend.Present(pod); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := engine.Remove(pod); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// The first cycle may open what the process keeps for good
+			// (the runtime's poller, for one).
+			cycle()
+			before := openFDs(t)
+			const cycles = 20
+			for range cycles {
+				cycle()
+			}
+			if after := openFDs(t); after != before {
+				t.Errorf("%d file descriptors open after %d apply/present/remove cycles, %d before", after, cycles, before)
+			}
+		})
+	}
+}
