@@ -128,8 +128,8 @@ func (o onePod) Namespace(_ context.Context, name string) (*corev1.Namespace, er
 
 type nop struct{}
 
-func (nop) Set(types.NamespacedName, string) {}
-func (nop) Warn(*corev1.Pod, string, string) {}
-func (nop) Enrolled(string, time.Duration)   {}
-func (nop) Failed(string)                    {}
-func (nop) Removed()                         {}
+func (nop) Set(types.NamespacedName, types.UID, string) {}
+func (nop) Warn(*corev1.Pod, string, string)            {}
+func (nop) Enrolled(string, time.Duration)              {}
+func (nop) Failed(string)                               {}
+func (nop) Removed()                                    {}

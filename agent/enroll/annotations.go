@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -34,7 +35,7 @@ import (
 type AnnotationWriter struct {
 	client kubernetes.Interface
 	log    *slog.Logger
-	queue  workqueue.TypedRateLimitingInterface[types.NamespacedName]
+	queue  workqueue.TypedRateLimitingInterface[annotatedPod]
 	busy   Activity
 	// maxDefer bounds the wait, so that on a node that never stops
 	// starting pods the annotations still come, at the writer's own rate.
@@ -51,7 +52,16 @@ type AnnotationWriter struct {
 	draining    bool
 
 	mu   sync.Mutex
-	want map[types.NamespacedName]string
+	want map[annotatedPod]string
+}
+
+// annotatedPod names one pod object: a StatefulSet's pod comes back under
+// its old name with a new UID, and an annotation asked for the old one
+// must not land on the new one, which may be outside the mesh (Istio's
+// peers take "enabled" to mean they may send it HBONE).
+type annotatedPod struct {
+	types.NamespacedName
+	UID types.UID
 }
 
 // Activity tells the writer when the agent is serving CNI events.
@@ -78,16 +88,19 @@ func NewAnnotationWriter(client kubernetes.Interface, busy Activity, log *slog.L
 	return &AnnotationWriter{
 		client:      client,
 		log:         log.With("component", "annotations"),
-		queue:       workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[types.NamespacedName]()),
+		queue:       workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[annotatedPod]()),
 		busy:        busy,
 		maxDefer:    MaxDefer,
 		backlogFull: make(chan struct{}, 1),
-		want:        map[types.NamespacedName]string{},
+		want:        map[annotatedPod]string{},
 	}
 }
 
-// Set asks for the annotation's value ("" removes it).
-func (w *AnnotationWriter) Set(pod types.NamespacedName, value string) {
+// Set asks for the annotation's value ("" removes it) on the pod object
+// with this UID; once a pod of that name has another UID, the write is
+// dropped. An empty uid writes to whatever pod has the name.
+func (w *AnnotationWriter) Set(name types.NamespacedName, uid types.UID, value string) {
+	pod := annotatedPod{name, uid}
 	w.mu.Lock()
 	w.want[pod] = value
 	w.mu.Unlock()
@@ -175,7 +188,7 @@ func (w *AnnotationWriter) yield(ctx context.Context) {
 // after Run has stopped; it returns the failures.
 func (w *AnnotationWriter) Flush(ctx context.Context) error {
 	w.mu.Lock()
-	pods := make([]types.NamespacedName, 0, len(w.want))
+	pods := make([]annotatedPod, 0, len(w.want))
 	for pod := range w.want {
 		pods = append(pods, pod)
 	}
@@ -201,7 +214,7 @@ func (w *AnnotationWriter) Flush(ctx context.Context) error {
 // away, every write fails the same way.
 const maxFlushErrors = 5
 
-func (w *AnnotationWriter) write(ctx context.Context, pod types.NamespacedName) error {
+func (w *AnnotationWriter) write(ctx context.Context, pod annotatedPod) error {
 	w.mu.Lock()
 	value, ok := w.want[pod]
 	w.mu.Unlock()
@@ -212,8 +225,17 @@ func (w *AnnotationWriter) write(ctx context.Context, pod types.NamespacedName) 
 	if value == "" {
 		v = nil // JSON merge patch: null deletes the key
 	}
-	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"annotations": map[string]any{RedirectionAnnotation: v}}})
+	meta := map[string]any{"annotations": map[string]any{RedirectionAnnotation: v}}
+	if pod.UID != "" {
+		// The UID cannot change, so the API server refuses the patch
+		// when the name now belongs to another pod.
+		meta["uid"] = pod.UID
+	}
+	patch, _ := json.Marshal(map[string]any{"metadata": meta})
 	_, err := w.client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+	if err != nil && pod.UID != "" && (apierrors.IsConflict(err) || apierrors.IsInvalid(err)) {
+		err = w.goneUnlessSame(ctx, pod, err)
+	}
 	if apierrors.IsNotFound(err) {
 		err = nil // the pod is gone; so is its annotation
 	}
@@ -225,4 +247,19 @@ func (w *AnnotationWriter) write(ctx context.Context, pod types.NamespacedName) 
 		w.mu.Unlock()
 	}
 	return err
+}
+
+// goneUnlessSame tells a patch refused because the name now belongs to
+// another pod (NotFound: the annotation's pod is gone) from one refused
+// for any other reason (patchErr, retried).
+func (w *AnnotationWriter) goneUnlessSame(ctx context.Context, pod annotatedPod, patchErr error) error {
+	current, err := w.client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
+	if err != nil {
+		return err
+	}
+	if current.UID != pod.UID {
+		w.log.Debug("annotation dropped: the pod's name now belongs to another pod", "pod", pod.NamespacedName, "uid", pod.UID, "now", current.UID)
+		return apierrors.NewNotFound(corev1.Resource("pods"), pod.Name)
+	}
+	return patchErr
 }

@@ -136,9 +136,9 @@ func TestAnnotationWriterWaitsOutCNIEvents(t *testing.T) {
 	w, log := startWriter(t, busy, time.Hour, "a", "b")
 
 	busy.begin()
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, AnnotationPending)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, "", AnnotationPending)
 	busy.waitAsked(t) // the writer holds "a" and waits
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, "", AnnotationEnabled)
 	if got := log.all(); len(got) != 0 {
 		t.Fatalf("patched %v while a CNI event was in flight", got)
 	}
@@ -146,9 +146,9 @@ func TestAnnotationWriterWaitsOutCNIEvents(t *testing.T) {
 	testkit.Eventually(t, 10*time.Second, "a's annotation written", func() bool { return len(log.all()) > 0 })
 
 	busy.begin()
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, AnnotationPending)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, "", AnnotationPending)
 	busy.waitAsked(t)
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, "", AnnotationEnabled)
 	if got := log.all(); !slices.Equal(got, []string{"a=enabled"}) {
 		t.Fatalf("patches %v in the second busy spell, want only the first spell's a=enabled", got)
 	}
@@ -168,8 +168,8 @@ func TestAnnotationWriterIsNotStarvedByABusyNode(t *testing.T) {
 	w, log := startWriter(t, busy, 20*time.Millisecond, "a", "b")
 	busy.begin()
 	defer busy.end()
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, AnnotationEnabled)
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, "")
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, "", AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, "", "")
 	testkit.Eventually(t, 10*time.Second, "both annotations written while the node stays busy", func() bool {
 		return slices.Equal(log.all(), []string{"a=enabled", "b=<removed>"})
 	})
@@ -178,7 +178,7 @@ func TestAnnotationWriterIsNotStarvedByABusyNode(t *testing.T) {
 // Without an activity source the writer writes at once.
 func TestAnnotationWriterWithoutActivityWritesAtOnce(t *testing.T) {
 	w, log := startWriter(t, nil, time.Hour, "a")
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, "", AnnotationEnabled)
 	testkit.Eventually(t, 10*time.Second, "the annotation written", func() bool { return slices.Equal(log.all(), []string{"a=enabled"}) })
 }
 
@@ -188,12 +188,12 @@ func TestAnnotationWriterStopsWaitingWithALongBacklog(t *testing.T) {
 	busy := newFakeActivity()
 	w, log := startWriter(t, busy, time.Hour)
 	busy.begin()
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "first"}, AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "first"}, "", AnnotationEnabled)
 	busy.waitAsked(t) // the writer holds "first" and waits
 	// A few past the bound: their signals come while the writer drains.
 	const n = MaxDeferredBacklog + 5
 	for i := range n {
-		w.Set(types.NamespacedName{Namespace: "mesh", Name: fmt.Sprintf("p%d", i)}, AnnotationEnabled)
+		w.Set(types.NamespacedName{Namespace: "mesh", Name: fmt.Sprintf("p%d", i)}, "", AnnotationEnabled)
 	}
 	testkit.Eventually(t, 10*time.Second, "every annotation written while the node stays busy", func() bool {
 		return len(log.all()) == n+1
@@ -204,9 +204,9 @@ func TestAnnotationWriterStopsWaitingWithALongBacklog(t *testing.T) {
 	// The next busy spell is waited out again: nothing of the backlog
 	// (its signal, its draining) carries over.
 	busy.begin()
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "late"}, AnnotationPending)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "late"}, "", AnnotationPending)
 	busy.waitAsked(t)
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "late"}, AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "late"}, "", AnnotationEnabled)
 	busy.end()
 	testkit.Eventually(t, 10*time.Second, "the late pod written", func() bool { return len(log.all()) > n+1 })
 	w.queue.ShutDownWithDrain()
@@ -221,7 +221,7 @@ func TestAnnotationWriterFlush(t *testing.T) {
 	client := fake.NewClientset(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "a"}})
 	w := NewAnnotationWriter(client, nil, slog.New(slog.DiscardHandler))
 	for _, name := range []string{"a", "b", "c"} {
-		w.Set(types.NamespacedName{Namespace: "mesh", Name: name}, AnnotationEnabled)
+		w.Set(types.NamespacedName{Namespace: "mesh", Name: name}, "", AnnotationEnabled)
 	}
 	ended, cancel := context.WithCancel(context.Background())
 	cancel()

@@ -58,7 +58,7 @@ type (
 	// Annotations converge the pod's redirection annotation, off the
 	// critical path; "" removes it.
 	Annotations interface {
-		Set(pod types.NamespacedName, value string)
+		Set(pod types.NamespacedName, uid types.UID, value string)
 	}
 	// Records is the node-local record of pods with rules
 	// (enrolledrecord.Dir): written before a pod's rules are applied, so a
@@ -350,7 +350,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 			return abort(fail("RecordFailed", "record the pod as enrolled on the node before its rules: %v", err))
 		}
 		recorded = true
-		p.cfg.Annotations.Set(key, AnnotationPending)
+		p.cfg.Annotations.Set(key, pod.UID, AnnotationPending)
 	}
 	applied = true
 	changed, err := p.cfg.Rules.Apply(sb.netns)
@@ -399,7 +399,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	// Enrolled with a netns now: its Add has replaced the Keep.
 	p.setHeld(pod.UID, nil)
 	p.forgetEnded(pod)
-	p.cfg.Annotations.Set(key, AnnotationEnabled)
+	p.cfg.Annotations.Set(key, pod.UID, AnnotationEnabled)
 	p.log.Info("pod enrolled", "pod", key, "uid", pod.UID, "netns", id, "containerID", sb.containerID, "ips", sb.ips)
 	return nil
 }
@@ -673,7 +673,7 @@ func (p *Pipeline) unenroll(ctx context.Context, uid types.UID, e *entry) error 
 	if err := p.forget(uid); err != nil {
 		p.log.Warn("could not drop the pod's record; the next agent takes it for enrolled before", "pod", e.pod, "err", err)
 	}
-	p.cfg.Annotations.Set(e.pod, "")
+	p.cfg.Annotations.Set(e.pod, uid, "")
 	p.cfg.Observer.Removed()
 	p.log.Info("pod removed from the mesh", "pod", e.pod, "uid", uid)
 	return nil
@@ -953,13 +953,12 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 		// patch, or someone removing it, must heal), only when the pod
 		// lacks it: this runs on every update of every enrolled pod and
 		// every sweep, and a patch that changes nothing is still an API
-		// write. A stale cache costs one redundant patch. The writer is
-		// keyed by name, so the unenroll of an older pod of the same name
-		// (a StatefulSet pod back under a new UID before its old one's
-		// DEL) can remove it once; the watch delivers that and this
-		// writes it back.
+		// write. A stale cache costs one redundant patch. (The writer
+		// writes to the pod's UID, so the unenroll of an older pod of
+		// the same name, a StatefulSet pod back under a new UID before
+		// its old one's DEL, cannot remove it.)
 		if pod.Annotations[RedirectionAnnotation] != AnnotationEnabled {
-			p.cfg.Annotations.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, AnnotationEnabled)
+			p.cfg.Annotations.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, pod.UID, AnnotationEnabled)
 		}
 	}
 	return nil
@@ -1044,7 +1043,7 @@ func (p *Pipeline) release(ctx context.Context, uid types.UID, h *heldPod, ips [
 	if err := p.forget(uid); err != nil {
 		p.log.Warn("could not drop the pod's record; the next agent takes it for enrolled before", "pod", h.pod, "err", err)
 	}
-	p.cfg.Annotations.Set(h.pod, "")
+	p.cfg.Annotations.Set(h.pod, uid, "")
 	p.cfg.Observer.Removed()
 	p.log.Info("pod a previous agent enrolled removed from the mesh", "pod", h.pod, "uid", uid)
 	return nil

@@ -83,6 +83,9 @@ type recorder struct {
 	mu     sync.Mutex
 	events []event
 	annots map[types.NamespacedName]string
+	// withoutUID counts annotations asked for with no pod UID, which the
+	// writer would then write to any pod of that name.
+	withoutUID int
 }
 
 func (r *recorder) Warn(pod *corev1.Pod, reason, message string) {
@@ -91,8 +94,11 @@ func (r *recorder) Warn(pod *corev1.Pod, reason, message string) {
 	r.mu.Unlock()
 }
 
-func (r *recorder) Set(pod types.NamespacedName, value string) {
+func (r *recorder) Set(pod types.NamespacedName, uid types.UID, value string) {
 	r.mu.Lock()
+	if uid == "" {
+		r.withoutUID++
+	}
 	r.annots[pod] = value
 	r.mu.Unlock()
 }
@@ -149,6 +155,13 @@ func newFixture(t *testing.T) *fixture {
 	}
 	f.log = slog.New(slog.NewTextHandler(tlog{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	f.startAgent(nil)
+	t.Cleanup(func() {
+		f.rec.mu.Lock()
+		defer f.rec.mu.Unlock()
+		if f.rec.withoutUID > 0 {
+			t.Errorf("%d annotations asked for without the pod's UID", f.rec.withoutUID)
+		}
+	})
 	return f
 }
 

@@ -107,11 +107,11 @@ func (snapshotPods) Namespace(_ context.Context, name string) (*corev1.Namespace
 
 type snapshotNop struct{}
 
-func (snapshotNop) Set(types.NamespacedName, string) {}
-func (snapshotNop) Warn(*corev1.Pod, string, string) {}
-func (snapshotNop) Enrolled(string, time.Duration)   {}
-func (snapshotNop) Failed(string)                    {}
-func (snapshotNop) Removed()                         {}
+func (snapshotNop) Set(types.NamespacedName, types.UID, string) {}
+func (snapshotNop) Warn(*corev1.Pod, string, string)            {}
+func (snapshotNop) Enrolled(string, time.Duration)              {}
+func (snapshotNop) Failed(string)                               {}
+func (snapshotNop) Removed()                                    {}
 
 // A ztunnel that connects while a pod is being removed gets a snapshot; if
 // the pod were still in it when the Del went out, that ztunnel would keep
