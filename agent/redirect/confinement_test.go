@@ -66,54 +66,38 @@ func podRulesOnThisMachine(t *testing.T) string {
 func TestEngineStaysInThePodNetns(t *testing.T) {
 	netnstest.RequireRoot(t)
 	machineBefore := podRulesOnThisMachine(t)
-	for name, newBackend := range backends(t) {
+	for name := range backends(t) {
 		t.Run(name, func(t *testing.T) {
 			caller, pod := netnstest.New(t), netnstest.New(t)
 			callerNS, podNS := caller.Open(t), pod.Open(t)
-			var others []redirect.Backend
-			for other, b := range backends(t) {
-				if other != name {
-					others = append(others, b())
-				}
-			}
-			backend := newBackend()
-			engine := redirect.NewEngine(backend, others...)
+			engine := engineSwitchingFromTheOthers(t, name)
 			callerBefore, podBefore := kernelState(t, caller), kernelState(t, pod)
+			// step runs op from the caller, then checks that the backend
+			// finds its rules in the pod netns or not, as it should.
+			step := func(what string, op func(*os.File) error, wantPresent bool) {
+				t.Helper()
+				err := inCallerNetNS(t, callerNS, func() error {
+					if err := op(podNS); err != nil {
+						return err
+					}
+					if present, err := engine.Backend().Present(podNS); err != nil || present != wantPresent {
+						return fmt.Errorf("rules present after %s: %v (%v), want %v", what, present, err, wantPresent)
+					}
+					return nil
+				})
+				if err != nil {
+					t.Fatalf("%s: %v", what, err)
+				}
+				if got := kernelState(t, caller); got != callerBefore {
+					t.Errorf("%s changed the caller's netns:\n%s", what, lineDiff(callerBefore, got))
+				}
+			}
 
-			err := inCallerNetNS(t, callerNS, func() error {
-				if _, err := engine.Apply(podNS, redirect.Options{}); err != nil {
-					return fmt.Errorf("apply: %w", err)
-				}
-				if present, err := backend.Present(podNS); err != nil || !present {
-					return fmt.Errorf("present after apply: %v, %v", present, err)
-				}
-				return nil
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if got := kernelState(t, caller); got != callerBefore {
-				t.Errorf("Apply changed the caller's netns:\n%s", lineDiff(callerBefore, got))
-			}
+			step("Apply", func(ns *os.File) error { _, err := engine.Apply(ns, redirect.Options{}); return err }, true)
 			if kernelState(t, pod) == podBefore {
 				t.Fatal("Apply left the pod netns as it was: the test would prove nothing")
 			}
-
-			err = inCallerNetNS(t, callerNS, func() error {
-				if _, err := engine.Remove(podNS); err != nil {
-					return fmt.Errorf("remove: %w", err)
-				}
-				if present, err := backend.Present(podNS); err != nil || present {
-					return fmt.Errorf("present after remove: %v, %v", present, err)
-				}
-				return nil
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if got := kernelState(t, caller); got != callerBefore {
-				t.Errorf("Remove changed the caller's netns:\n%s", lineDiff(callerBefore, got))
-			}
+			step("Remove", func(ns *os.File) error { _, err := engine.Remove(ns); return err }, false)
 			if got := withoutHandles(kernelState(t, pod)); got != withoutHandles(podBefore) {
 				t.Errorf("Remove left the pod netns changed:\n%s", lineDiff(podBefore, got))
 			}
@@ -122,6 +106,23 @@ func TestEngineStaysInThePodNetns(t *testing.T) {
 	if got := podRulesOnThisMachine(t); got != machineBefore {
 		t.Errorf("the engine changed this machine's own netns:\nbefore:\n%s\nafter:\n%s", machineBefore, got)
 	}
+}
+
+// engineSwitchingFromTheOthers is the named backend's engine as a node that
+// switched backends runs it: it also removes the others' leftovers, so
+// every backend's Present and Remove run too.
+func engineSwitchingFromTheOthers(t *testing.T, name string) *redirect.Engine {
+	t.Helper()
+	var backend redirect.Backend
+	var others []redirect.Backend
+	for other, newBackend := range backends(t) {
+		if other == name {
+			backend = newBackend()
+		} else {
+			others = append(others, newBackend())
+		}
+	}
+	return redirect.NewEngine(backend, others...)
 }
 
 // openFDs counts this process's open file descriptors.
@@ -140,16 +141,9 @@ func openFDs(t *testing.T) int {
 // the agent out of descriptors and keep dead pods' namespaces alive.
 func TestEngineLeaksNoFileDescriptors(t *testing.T) {
 	netnstest.RequireRoot(t)
-	for name, newBackend := range backends(t) {
+	for name := range backends(t) {
 		t.Run(name, func(t *testing.T) {
-			var others []redirect.Backend
-			for other, b := range backends(t) {
-				if other != name {
-					others = append(others, b())
-				}
-			}
-			backend := newBackend()
-			engine := redirect.NewEngine(backend, others...)
+			engine := engineSwitchingFromTheOthers(t, name)
 			pod := netnstest.New(t).Open(t)
 			cycle := func() {
 				t.Helper()
@@ -161,7 +155,7 @@ func TestEngineLeaksNoFileDescriptors(t *testing.T) {
 				if _, err := engine.Apply(pod, redirect.Options{}); err != nil {
 					t.Fatal(err)
 				}
-				if _, err := backend.Present(pod); err != nil {
+				if _, err := engine.Backend().Present(pod); err != nil {
 					t.Fatal(err)
 				}
 				if _, err := engine.Remove(pod); err != nil {
