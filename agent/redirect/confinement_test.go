@@ -8,32 +8,10 @@ import (
 	"strings"
 	"testing"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 )
-
-// inCallerNetNS runs fn on a goroutine whose OS thread has joined ns, so
-// that anything the engine does "in the caller's namespace" (a netlink
-// handle opening a socket family it was not given, a socket dialled
-// without a namespace) lands in ns, where the test can see it, instead of
-// in this machine's own.
-func inCallerNetNS(t *testing.T, ns *os.File, fn func() error) error {
-	t.Helper()
-	errc := make(chan error, 1)
-	go func() {
-		// The thread is never unlocked: it leaves ns only by dying with
-		// this goroutine.
-		runtime.LockOSThread()
-		if err := unix.Setns(int(ns.Fd()), unix.CLONE_NEWNET); err != nil {
-			errc <- fmt.Errorf("enter the caller's netns: %w", err)
-			return
-		}
-		errc <- fn()
-	}()
-	return <-errc
-}
 
 // podRulesOnThisMachine names what of a pod's rule set is in this
 // machine's own netns: nothing, as long as the engine stays in the pod's.
@@ -76,7 +54,12 @@ func TestEngineStaysInThePodNetns(t *testing.T) {
 			// finds its rules in the pod netns or not, as it should.
 			step := func(what string, op func(*os.File) error, wantPresent bool) {
 				t.Helper()
-				err := inCallerNetNS(t, callerNS, func() error {
+				// netns.Do runs this on a thread that has joined callerNS, so
+				// anything the engine does "in the caller's namespace" (a
+				// netlink handle opening a socket family it was not given, a
+				// socket dialled without a namespace) lands there, where the
+				// test sees it, instead of in this machine's own.
+				err := netns.Do(callerNS, func() error {
 					if err := op(podNS); err != nil {
 						return err
 					}
