@@ -98,8 +98,13 @@ func NewAnnotationWriter(client kubernetes.Interface, busy Activity, log *slog.L
 
 // Set asks for the annotation's value ("" removes it) on the pod object
 // with this UID; once a pod of that name has another UID, the write is
-// dropped. An empty uid writes to whatever pod has the name.
+// dropped. A write without a UID is refused: it would land on whatever pod
+// has the name.
 func (w *AnnotationWriter) Set(name types.NamespacedName, uid types.UID, value string) {
+	if uid == "" {
+		w.log.Error("annotation not written: no pod UID to write it to (a bug)", "pod", name, "value", value)
+		return
+	}
 	pod := annotatedPod{name, uid}
 	w.mu.Lock()
 	w.want[pod] = value
@@ -225,15 +230,12 @@ func (w *AnnotationWriter) write(ctx context.Context, pod annotatedPod) error {
 	if value == "" {
 		v = nil // JSON merge patch: null deletes the key
 	}
-	meta := map[string]any{"annotations": map[string]any{RedirectionAnnotation: v}}
-	if pod.UID != "" {
-		// The UID cannot change, so the API server refuses the patch
-		// when the name now belongs to another pod.
-		meta["uid"] = pod.UID
-	}
+	// The UID cannot change, so the API server refuses the patch when the
+	// name now belongs to another pod.
+	meta := map[string]any{"annotations": map[string]any{RedirectionAnnotation: v}, "uid": pod.UID}
 	patch, _ := json.Marshal(map[string]any{"metadata": meta})
 	_, err := w.client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{})
-	if err != nil && pod.UID != "" && (apierrors.IsConflict(err) || apierrors.IsInvalid(err)) {
+	if err != nil && (apierrors.IsConflict(err) || apierrors.IsInvalid(err)) {
 		err = w.goneUnlessSame(ctx, pod, err)
 	}
 	if apierrors.IsNotFound(err) {

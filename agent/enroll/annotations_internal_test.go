@@ -3,6 +3,7 @@ package enroll
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
@@ -12,9 +13,11 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/validation/field"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 
@@ -95,7 +98,7 @@ func (l *patchLog) all() []string {
 func startWriter(t *testing.T, busy Activity, maxDefer time.Duration, pods ...string) (*AnnotationWriter, *patchLog) {
 	var objs []runtime.Object
 	for _, name := range pods {
-		objs = append(objs, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: name}})
+		objs = append(objs, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: name, UID: uidOf(name)}})
 	}
 	client := fake.NewClientset(objs...)
 	log := &patchLog{}
@@ -136,9 +139,9 @@ func TestAnnotationWriterWaitsOutCNIEvents(t *testing.T) {
 	w, log := startWriter(t, busy, time.Hour, "a", "b")
 
 	busy.begin()
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, "", AnnotationPending)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), AnnotationPending)
 	busy.waitAsked(t) // the writer holds "a" and waits
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, "", AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), AnnotationEnabled)
 	if got := log.all(); len(got) != 0 {
 		t.Fatalf("patched %v while a CNI event was in flight", got)
 	}
@@ -146,9 +149,9 @@ func TestAnnotationWriterWaitsOutCNIEvents(t *testing.T) {
 	testkit.Eventually(t, 10*time.Second, "a's annotation written", func() bool { return len(log.all()) > 0 })
 
 	busy.begin()
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, "", AnnotationPending)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, uidOf("b"), AnnotationPending)
 	busy.waitAsked(t)
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, "", AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, uidOf("b"), AnnotationEnabled)
 	if got := log.all(); !slices.Equal(got, []string{"a=enabled"}) {
 		t.Fatalf("patches %v in the second busy spell, want only the first spell's a=enabled", got)
 	}
@@ -168,8 +171,8 @@ func TestAnnotationWriterIsNotStarvedByABusyNode(t *testing.T) {
 	w, log := startWriter(t, busy, 20*time.Millisecond, "a", "b")
 	busy.begin()
 	defer busy.end()
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, "", AnnotationEnabled)
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, "", "")
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, uidOf("b"), "")
 	testkit.Eventually(t, 10*time.Second, "both annotations written while the node stays busy", func() bool {
 		return slices.Equal(log.all(), []string{"a=enabled", "b=<removed>"})
 	})
@@ -178,7 +181,7 @@ func TestAnnotationWriterIsNotStarvedByABusyNode(t *testing.T) {
 // Without an activity source the writer writes at once.
 func TestAnnotationWriterWithoutActivityWritesAtOnce(t *testing.T) {
 	w, log := startWriter(t, nil, time.Hour, "a")
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, "", AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), AnnotationEnabled)
 	testkit.Eventually(t, 10*time.Second, "the annotation written", func() bool { return slices.Equal(log.all(), []string{"a=enabled"}) })
 }
 
@@ -188,12 +191,12 @@ func TestAnnotationWriterStopsWaitingWithALongBacklog(t *testing.T) {
 	busy := newFakeActivity()
 	w, log := startWriter(t, busy, time.Hour)
 	busy.begin()
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "first"}, "", AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "first"}, uidOf("first"), AnnotationEnabled)
 	busy.waitAsked(t) // the writer holds "first" and waits
 	// A few past the bound: their signals come while the writer drains.
 	const n = MaxDeferredBacklog + 5
 	for i := range n {
-		w.Set(types.NamespacedName{Namespace: "mesh", Name: fmt.Sprintf("p%d", i)}, "", AnnotationEnabled)
+		w.Set(types.NamespacedName{Namespace: "mesh", Name: fmt.Sprintf("p%d", i)}, uidOf(fmt.Sprintf("p%d", i)), AnnotationEnabled)
 	}
 	testkit.Eventually(t, 10*time.Second, "every annotation written while the node stays busy", func() bool {
 		return len(log.all()) == n+1
@@ -204,9 +207,9 @@ func TestAnnotationWriterStopsWaitingWithALongBacklog(t *testing.T) {
 	// The next busy spell is waited out again: nothing of the backlog
 	// (its signal, its draining) carries over.
 	busy.begin()
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "late"}, "", AnnotationPending)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "late"}, uidOf("late"), AnnotationPending)
 	busy.waitAsked(t)
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "late"}, "", AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "late"}, uidOf("late"), AnnotationEnabled)
 	busy.end()
 	testkit.Eventually(t, 10*time.Second, "the late pod written", func() bool { return len(log.all()) > n+1 })
 	w.queue.ShutDownWithDrain()
@@ -218,10 +221,10 @@ func TestAnnotationWriterStopsWaitingWithALongBacklog(t *testing.T) {
 // Flush writes what the stopped writer still held, and once its context
 // ends says how many are left in one error instead of trying each.
 func TestAnnotationWriterFlush(t *testing.T) {
-	client := fake.NewClientset(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "a"}})
+	client := fake.NewClientset(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "a", UID: uidOf("a")}})
 	w := NewAnnotationWriter(client, nil, slog.New(slog.DiscardHandler))
 	for _, name := range []string{"a", "b", "c"} {
-		w.Set(types.NamespacedName{Namespace: "mesh", Name: name}, "", AnnotationEnabled)
+		w.Set(types.NamespacedName{Namespace: "mesh", Name: name}, uidOf(name), AnnotationEnabled)
 	}
 	ended, cancel := context.WithCancel(context.Background())
 	cancel()
@@ -234,5 +237,89 @@ func TestAnnotationWriterFlush(t *testing.T) {
 	pod, err := client.CoreV1().Pods("mesh").Get(context.Background(), "a", metav1.GetOptions{})
 	if err != nil || pod.Annotations[RedirectionAnnotation] != AnnotationEnabled {
 		t.Fatalf("pod a annotated %v (%v) after Flush", pod.Annotations, err)
+	}
+}
+
+// uidOf is the UID the tests give the pod of this name.
+func uidOf(name string) types.UID { return types.UID("uid-" + name) }
+
+// A patch the API server refuses as Invalid is either for a pod whose name
+// now belongs to another pod (its UID is immutable), and then dropped, or
+// refused for another reason, and then kept and retried. The fake
+// clientset's tracker applies metadata.uid like any other field, so the
+// server's answers are played by reactors here; the integration test
+// checks them against a real kube-apiserver.
+func TestAnnotationWriterTellsAReplacedPodFromARefusedPatch(t *testing.T) {
+	name := types.NamespacedName{Namespace: "mesh", Name: "web-0"}
+	refused := apierrors.NewInvalid(corev1.SchemeGroupVersion.WithKind("Pod").GroupKind(), name.Name,
+		field.ErrorList{field.Invalid(field.NewPath("metadata", "uid"), "uid-new", "field is immutable")})
+	for _, tc := range []struct {
+		name     string
+		patchErr error
+		get      func() (*corev1.Pod, error) // the pod of that name now
+		wantKept bool                        // still queued, Flush failing
+	}{
+		{"replaced by another pod", refused, func() (*corev1.Pod, error) {
+			return &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: name.Name, UID: "uid-new"}}, nil
+		}, false},
+		{"gone since the patch", refused, func() (*corev1.Pod, error) {
+			return nil, apierrors.NewNotFound(corev1.Resource("pods"), name.Name)
+		}, false},
+		{"gone before the patch", apierrors.NewNotFound(corev1.Resource("pods"), name.Name), nil, false},
+		{"the same pod, the patch refused by an admission check", refused, func() (*corev1.Pod, error) {
+			return &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: name.Name, UID: uidOf(name.Name)}}, nil
+		}, true},
+		{"the same pod, a conflict", apierrors.NewConflict(corev1.Resource("pods"), name.Name, errors.New("try again")), func() (*corev1.Pod, error) {
+			return &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: name.Name, UID: uidOf(name.Name)}}, nil
+		}, true},
+		{"the API server away when asked which pod it is", refused, func() (*corev1.Pod, error) {
+			return nil, apierrors.NewServiceUnavailable("etcd leader changed")
+		}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			client := fake.NewClientset()
+			var gets int
+			client.PrependReactor("patch", "pods", func(k8stesting.Action) (bool, runtime.Object, error) {
+				return true, nil, tc.patchErr
+			})
+			client.PrependReactor("get", "pods", func(k8stesting.Action) (bool, runtime.Object, error) {
+				gets++
+				if tc.get == nil {
+					t.Error("the writer asked for the pod after a patch refused as NotFound")
+					return true, nil, apierrors.NewNotFound(corev1.Resource("pods"), name.Name)
+				}
+				pod, err := tc.get()
+				return true, pod, err
+			})
+			w := NewAnnotationWriter(client, nil, slog.New(slog.DiscardHandler))
+			w.Set(name, uidOf(name.Name), AnnotationEnabled)
+			err := w.Flush(context.Background())
+			kept := len(w.want) == 1
+			if kept != tc.wantKept || (err != nil) != tc.wantKept {
+				t.Fatalf("Flush = %v and the write kept: %v; want kept (and an error): %v", err, kept, tc.wantKept)
+			}
+			if tc.get != nil && gets != 1 {
+				t.Fatalf("the writer asked for the pod %d times, want once", gets)
+			}
+		})
+	}
+}
+
+// A write without a UID would land on whatever pod has the name: it is
+// refused, not sent.
+func TestAnnotationWriterRefusesAWriteWithoutAUID(t *testing.T) {
+	client := fake.NewClientset(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "a", UID: uidOf("a")}})
+	w := NewAnnotationWriter(client, nil, slog.New(slog.DiscardHandler))
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, "", AnnotationEnabled)
+	if w.queue.Len() != 0 || len(w.want) != 0 {
+		t.Fatalf("a write without a UID was queued (%d queued, %d wanted)", w.queue.Len(), len(w.want))
+	}
+	if err := w.Flush(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	for _, a := range client.Actions() {
+		if a.GetVerb() == "patch" {
+			t.Fatalf("a write without a UID was sent: %v", a)
+		}
 	}
 }
