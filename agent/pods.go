@@ -120,7 +120,7 @@ func (c *podCache) Pod(ctx context.Context, namespace, name string) (*corev1.Pod
 	return cachedOrRead(ctx, c.cacheWait,
 		func() (*corev1.Pod, error) { return c.pods.Pods(namespace).Get(name) },
 		func(ctx context.Context) (*corev1.Pod, error) {
-			pod, err := c.client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+			pod, err := c.Live(ctx, namespace, name)
 			if err == nil && pod.Spec.NodeName != c.node {
 				// A request for another node's pod (the runtime only starts
 				// pods bound here) must not get rules into the netns it names.
@@ -128,6 +128,11 @@ func (c *podCache) Pod(ctx context.Context, namespace, name string) (*corev1.Pod
 			}
 			return pod, err
 		})
+}
+
+// Live reads the pod from the API, past the cache.
+func (c *podCache) Live(ctx context.Context, namespace, name string) (*corev1.Pod, error) {
+	return c.client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
 }
 
 // live reads the pod from the API, past the cache: nil when it does not

@@ -121,7 +121,8 @@ func (noZtunnel) Del(context.Context, string) error       { return nil }
 
 type onePod struct{ pod *corev1.Pod }
 
-func (o onePod) Pod(context.Context, string, string) (*corev1.Pod, error) { return o.pod, nil }
+func (o onePod) Pod(context.Context, string, string) (*corev1.Pod, error)  { return o.pod, nil }
+func (o onePod) Live(context.Context, string, string) (*corev1.Pod, error) { return o.pod, nil }
 func (o onePod) Namespace(_ context.Context, name string) (*corev1.Namespace, error) {
 	return &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, nil
 }

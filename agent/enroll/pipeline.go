@@ -48,6 +48,10 @@ type (
 		// namespace it lacks, then reads the API once; an error means
 		// the namespace is not known.
 		Namespace(ctx context.Context, name string) (*corev1.Namespace, error)
+		// Live reads the pod from the API past the cache: for an ADD
+		// whose runtime named no pod UID, which pod object the sandbox
+		// belongs to.
+		Live(ctx context.Context, namespace, name string) (*corev1.Pod, error)
 	}
 	// NetnsFinder locates a running pod's netns (podnetns.Finder), and
 	// tells whether a netns holds one of the IPs.
@@ -203,6 +207,38 @@ type failure struct {
 func (f *failure) Error() string { return f.err.Error() }
 func (f *failure) Unwrap() error { return f.err }
 
+// podWithoutUID is the pod an ADD without a pod UID is for (a runtime
+// that does not pass K8S_POD_UID). The cache may still hold a pod of that
+// name that has since been replaced (a StatefulSet's pod, force-deleted
+// and recreated): enrolled under that pod's UID, the sandbox would reach
+// ztunnel as the wrong workload, and the old pod's removal would later
+// take the rules out of the new pod while it runs. The API knows which pod
+// the name belongs to now; while it cannot be reached the cached pod
+// stands, as it did before the API was asked.
+func (p *Pipeline) podWithoutUID(ctx context.Context, req *cnievent.Request, cached *corev1.Pod) (*corev1.Pod, error) {
+	ctx, cancel := context.WithTimeout(ctx, liveReadTimeout)
+	defer cancel()
+	live, err := p.cfg.Pods.Live(ctx, req.PodNamespace, req.PodName)
+	switch {
+	case apierrors.IsNotFound(err):
+		p.observeFailure("PodNotInAPI")
+		_, err := podNotInAPI(req)
+		return nil, err
+	case err != nil:
+		p.log.Warn("the runtime named no pod UID and the API could not say which pod the name belongs to now; going by the cache", "pod", req.Pod(), "err", err)
+		return cached, nil
+	case live.Spec.NodeName != cached.Spec.NodeName:
+		// The name now belongs to a pod bound elsewhere: this sandbox's
+		// pod is gone.
+		p.observeFailure("StalePod")
+		return nil, fmt.Errorf("pod %s is now bound to node %q, not this sandbox's %q; refusing a stale sandbox", req.Pod(), live.Spec.NodeName, cached.Spec.NodeName)
+	}
+	return live, nil
+}
+
+// liveReadTimeout bounds a read past the cache on the ADD's path.
+const liveReadTimeout = 5 * time.Second
+
 func fail(reason string, format string, args ...any) error {
 	return &failure{reason: reason, err: fmt.Errorf(format, args...)}
 }
@@ -225,6 +261,11 @@ func (p *Pipeline) Add(ctx context.Context, req *cnievent.Request) (cnievent.Out
 	if !sandboxOf(pod, req.PodUID) {
 		p.observeFailure("StalePod")
 		return cnievent.Failed, fmt.Errorf("pod %s has uid %s, the runtime named %s; refusing a stale sandbox", req.Pod(), pod.UID, req.PodUID)
+	}
+	if req.PodUID == "" {
+		if pod, err = p.podWithoutUID(ctx, req, pod); err != nil {
+			return cnievent.Failed, err
+		}
 	}
 	want, err := p.wants(ctx, pod)
 	if err != nil {

@@ -48,6 +48,27 @@ type podCache struct {
 	// nsErr, when set, is what every namespace look-up answers: the cache
 	// and the API could not tell.
 	nsErr error
+	// api holds the pods the API has where they differ from the cache's
+	// (a watch that lags); nil, the API has none of that name. liveErr,
+	// when set, is what every read of the API answers.
+	api     map[string]*corev1.Pod
+	liveErr error
+}
+
+func (c *podCache) Live(_ context.Context, namespace, name string) (*corev1.Pod, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.liveErr != nil {
+		return nil, c.liveErr
+	}
+	p, ok := c.api[namespace+"/"+name]
+	if !ok {
+		p, ok = c.pods[namespace+"/"+name]
+	}
+	if !ok || p == nil {
+		return nil, apierrors.NewNotFound(schema.GroupResource{Resource: "pods"}, name)
+	}
+	return p, nil
 }
 
 func (c *podCache) Pod(_ context.Context, namespace, name string) (*corev1.Pod, error) {
@@ -142,7 +163,7 @@ func newFixture(t *testing.T) *fixture {
 		t.Fatal(err)
 	}
 	f := &fixture{t: t, probes: &probes{HostProbes: hostProbes}, finder: &countingFinder{},
-		cache: &podCache{pods: map[string]*corev1.Pod{}, namespaces: map[string]*corev1.Namespace{
+		cache: &podCache{pods: map[string]*corev1.Pod{}, api: map[string]*corev1.Pod{}, namespaces: map[string]*corev1.Namespace{
 			"mesh":  {ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}},
 			"plain": {ObjectMeta: metav1.ObjectMeta{Name: "plain"}},
 		}},
@@ -855,5 +876,72 @@ func TestTerminatingPodAfterItsDELIsNotEnrolledAgain(t *testing.T) {
 	}
 	if got := f.rec.reasons(); slices.Contains(got, "NetnsNotFound") {
 		t.Fatalf("events %v: a pod being deleted reported as failing", got)
+	}
+}
+
+// An ADD whose runtime names no pod UID (one that does not pass
+// K8S_POD_UID) is for the pod the API has under that name now, not for a
+// replaced one the cache still holds: enrolled under the old pod's UID, the
+// sandbox would reach ztunnel as the wrong workload, and the old pod's
+// removal would later take the rules out of the new pod while it runs.
+func TestAddWithoutAPodUIDIsForThePodTheAPIHasNow(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	withoutUID := func(pod *corev1.Pod, sb sandbox) (cnievent.Outcome, error) {
+		req := request(cnievent.Add, pod, sb, "sandbox-"+pod.Name)
+		req.PodUID = ""
+		ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+		defer cancel()
+		return f.p.Add(ctx, req)
+	}
+	replace := func(old *corev1.Pod, node string) *corev1.Pod {
+		now := old.DeepCopy()
+		now.UID, now.Spec.NodeName = uuid.NewUUID(), node
+		f.cache.mu.Lock()
+		f.cache.api[old.Namespace+"/"+old.Name] = now
+		f.cache.mu.Unlock()
+		return now
+	}
+
+	old, sb := f.pod("mesh", "web-0", nil), f.sandbox()
+	now := replace(old, "")
+	if out, err := withoutUID(old, sb); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	if _, ok := inZtunnel(z, old); ok || f.p.IsEnrolled(old.UID) {
+		t.Fatal("the sandbox was enrolled under the replaced pod's UID, the one the cache still held")
+	}
+	if id, ok := inZtunnel(z, now); !ok || id != identity(t, sb) || !f.p.IsEnrolled(now.UID) {
+		t.Fatal("the sandbox was not enrolled as the pod the API has under its name")
+	}
+
+	// Gone from the API, or the name now a pod of another node's: this
+	// sandbox's pod is gone, and the runtime is told so.
+	gone, sbGone := f.pod("mesh", "web-1", nil), f.sandbox()
+	f.cache.mu.Lock()
+	f.cache.api["mesh/web-1"] = nil
+	f.cache.mu.Unlock()
+	elsewhere, sbElsewhere := f.pod("mesh", "web-2", nil), f.sandbox()
+	replace(elsewhere, "another-node")
+	for _, c := range []struct {
+		pod *corev1.Pod
+		sb  sandbox
+	}{{gone, sbGone}, {elsewhere, sbElsewhere}} {
+		if out, err := withoutUID(c.pod, c.sb); out != cnievent.Failed || err == nil {
+			t.Fatalf("ADD for %s, whose pod is gone = %q, %v; want it failed", c.pod.Name, out, err)
+		}
+		if hasRules(t, c.sb) {
+			t.Fatalf("the sandbox of %s, whose pod is gone, got rules", c.pod.Name)
+		}
+	}
+
+	// With the API unreachable the cache stands, as it did before the API
+	// was asked: an enrolled pod is redirected, not held back.
+	down, sbDown := f.pod("mesh", "web-3", nil), f.sandbox()
+	f.cache.mu.Lock()
+	f.cache.liveErr = apierrors.NewServiceUnavailable("etcd leader changed")
+	f.cache.mu.Unlock()
+	if out, err := withoutUID(down, sbDown); out != cnievent.Redirected || !hasRules(t, sbDown) {
+		t.Fatalf("ADD with the API away = %q, %v; want the cached pod redirected", out, err)
 	}
 }

@@ -101,6 +101,9 @@ func (snapshotPods) Pod(_ context.Context, namespace, name string) (*corev1.Pod,
 		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient},
 	}}, nil
 }
+func (s snapshotPods) Live(ctx context.Context, namespace, name string) (*corev1.Pod, error) {
+	return s.Pod(ctx, namespace, name)
+}
 func (snapshotPods) Namespace(_ context.Context, name string) (*corev1.Namespace, error) {
 	return &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, nil
 }
