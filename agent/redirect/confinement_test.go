@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/netns"
@@ -158,7 +159,13 @@ func TestEngineLeaksNoFileDescriptors(t *testing.T) {
 			for range cycles {
 				cycle()
 			}
-			if after := openFDs(t); after > before {
+			// A descriptor the process holds for a moment as it is counted
+			// (CI once saw one more, once) is not a leak: one that stays is.
+			after := openFDs(t)
+			for deadline := time.Now().Add(5 * time.Second); after > before && time.Now().Before(deadline); after = openFDs(t) {
+				time.Sleep(50 * time.Millisecond)
+			}
+			if after > before {
 				t.Errorf("%d file descriptors open after %d apply/present/remove cycles, %d before", after, cycles, before)
 			}
 		})
