@@ -13,7 +13,9 @@
 //   - the agent removes a pod's file, under the same lock that writes it,
 //     as soon as its watches show the pod enrolled;
 //   - the file holds the UID, and a sandbox of another pod of that name is
-//     not passed;
+//     not passed; nor is a sandbox whose runtime named no UID, since it may
+//     be another pod's of that name (a StatefulSet's pod replaced while the
+//     agent's watch lags, enrolled where the old one was not);
 //   - each agent process writes its own generation of the list, a
 //     directory "gen-<random>" holding the entries and a file ".lock" on
 //     which the agent holds an open-file-description write lock
@@ -77,13 +79,12 @@ func entryName(namespace, name string) (string, bool) {
 }
 
 // Passes reports whether the list in dir, as the live agent keeps it, says
-// the pod is not enrolled. uid may be empty when the runtime did not pass
-// one. Any doubt (no live agent holding the current generation's lock, an
-// old or future heartbeat, no entry, another UID, an unreadable file)
-// answers false: ask the agent.
+// the pod is not enrolled. Any doubt (no UID from the runtime, no live
+// agent holding the current generation's lock, an old or future heartbeat,
+// no entry, another UID, an unreadable file) answers false: ask the agent.
 func Passes(dir, namespace, name, uid string) bool {
 	entry, ok := entryName(namespace, name)
-	if !ok {
+	if !ok || uid == "" {
 		return false
 	}
 	gen, err := os.Readlink(filepath.Join(dir, currentLink))
@@ -91,7 +92,7 @@ func Passes(dir, namespace, name, uid string) bool {
 		return false
 	}
 	have, err := os.ReadFile(filepath.Join(dir, gen, entry))
-	if err != nil || len(have) == 0 || (uid != "" && string(have) != uid) {
+	if err != nil || string(have) != uid {
 		return false
 	}
 	// Checked after reading the entry: the agent that wrote it was alive
