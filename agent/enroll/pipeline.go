@@ -651,7 +651,7 @@ func (p *Pipeline) Check(ctx context.Context, req *cnievent.Request) (cnievent.O
 // UID when it sent one, else by name.
 func (p *Pipeline) lookup(req *cnievent.Request) (types.UID, bool) {
 	if req.PodUID == "" {
-		return p.UIDOf(types.NamespacedName{Namespace: req.PodNamespace, Name: req.PodName})
+		return p.sandboxNamed(req)
 	}
 	uid := types.UID(req.PodUID)
 	if p.IsEnrolled(uid) {
@@ -667,6 +667,27 @@ func (p *Pipeline) lookup(req *cnievent.Request) (types.UID, bool) {
 		}
 	}
 	return "", false
+}
+
+// sandboxNamed finds the enrolled pod of a request without a pod UID: of
+// the pods enrolled under that name (a replaced pod and its replacement,
+// while the watch lags), the one whose sandbox the request names, else any
+// (the caller then checks the sandbox itself).
+func (p *Pipeline) sandboxNamed(req *cnievent.Request) (types.UID, bool) {
+	key := types.NamespacedName{Namespace: req.PodNamespace, Name: req.PodName}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var named types.UID
+	for uid, e := range p.enrolled {
+		if e.pod != key {
+			continue
+		}
+		if e.names(req) {
+			return uid, true
+		}
+		named = uid
+	}
+	return named, named != ""
 }
 
 // Unenroll removes a pod from the mesh: rules out of its netns (still open

@@ -3,6 +3,7 @@ package enroll_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/netip"
 	"os"
@@ -888,20 +889,9 @@ func TestAddWithoutAPodUIDIsForThePodTheAPIHasNow(t *testing.T) {
 	f := newFixture(t)
 	z, _ := f.standin(ztunnel.Config{})
 	withoutUID := func(pod *corev1.Pod, sb sandbox) (cnievent.Outcome, error) {
-		req := request(cnievent.Add, pod, sb, "sandbox-"+pod.Name)
-		req.PodUID = ""
-		ctx, cancel := context.WithTimeout(context.Background(), waitFor)
-		defer cancel()
-		return f.p.Add(ctx, req)
+		return f.withoutUID(cnievent.Add, pod, sb, "sandbox-"+pod.Name)
 	}
-	replace := func(old *corev1.Pod, node string) *corev1.Pod {
-		now := old.DeepCopy()
-		now.UID, now.Spec.NodeName = uuid.NewUUID(), node
-		f.cache.mu.Lock()
-		f.cache.api[old.Namespace+"/"+old.Name] = now
-		f.cache.mu.Unlock()
-		return now
-	}
+	replace := f.replacedInAPI
 
 	old, sb := f.pod("mesh", "web-0", nil), f.sandbox()
 	now := replace(old, "")
@@ -943,5 +933,58 @@ func TestAddWithoutAPodUIDIsForThePodTheAPIHasNow(t *testing.T) {
 	f.cache.mu.Unlock()
 	if out, err := withoutUID(down, sbDown); out != cnievent.Redirected || !hasRules(t, sbDown) {
 		t.Fatalf("ADD with the API away = %q, %v; want the cached pod redirected", out, err)
+	}
+}
+
+// withoutUID sends a request as a runtime that passes no K8S_POD_UID.
+func (f *fixture) withoutUID(cmd cnievent.Command, pod *corev1.Pod, sb sandbox, containerID string) (cnievent.Outcome, error) {
+	req := request(cmd, pod, sb, containerID)
+	req.PodUID = ""
+	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+	defer cancel()
+	switch cmd {
+	case cnievent.Add:
+		return f.p.Add(ctx, req)
+	case cnievent.Del:
+		return f.p.Del(ctx, req)
+	default:
+		return f.p.Check(ctx, req)
+	}
+}
+
+// replacedInAPI replaces old in the API, not yet in the cache (a watch
+// that lags), with a pod of the same name bound to node.
+func (f *fixture) replacedInAPI(old *corev1.Pod, node string) *corev1.Pod {
+	now := old.DeepCopy()
+	now.UID, now.Spec.NodeName = uuid.NewUUID(), node
+	f.cache.mu.Lock()
+	f.cache.api[old.Namespace+"/"+old.Name] = now
+	f.cache.mu.Unlock()
+	return now
+}
+
+// Without a pod UID, a DEL names its pod by name and sandbox: with a
+// replaced pod and its replacement both enrolled under one name (the
+// replacement's ADD came while the watch lagged), the old sandbox's DEL
+// takes the old pod out, never the replacement, whichever the table
+// yields first (ten pairs, so a pick by name alone fails).
+func TestDELWithoutAPodUIDActsOnTheSandboxItNames(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	for i := range 10 {
+		old, sbOld := f.pod("mesh", fmt.Sprintf("web-%d", i), nil), f.sandbox()
+		if out, err := f.withoutUID(cnievent.Add, old, sbOld, "old"); out != cnievent.Redirected {
+			t.Fatalf("ADD of %s = %q, %v", old.Name, out, err)
+		}
+		now, sbNow := f.replacedInAPI(old, ""), f.sandbox()
+		if out, err := f.withoutUID(cnievent.Add, old, sbNow, "new"); out != cnievent.Redirected || !f.p.IsEnrolled(now.UID) {
+			t.Fatalf("ADD of %s's replacement = %q, %v", old.Name, out, err)
+		}
+		if out, err := f.withoutUID(cnievent.Del, old, sandbox{}, "old"); out != cnievent.Redirected {
+			t.Fatalf("DEL of %s's old sandbox = %q, %v", old.Name, out, err)
+		}
+		if f.p.IsEnrolled(old.UID) || !f.p.IsEnrolled(now.UID) || !hasRules(t, sbNow) {
+			t.Fatalf("the old sandbox's DEL of %s took the replacement out (old enrolled: %v, new: %v)", old.Name, f.p.IsEnrolled(old.UID), f.p.IsEnrolled(now.UID))
+		}
 	}
 }
