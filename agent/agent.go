@@ -665,7 +665,7 @@ func (a *Agent) reconcileOne(ctx context.Context, key types.NamespacedName, pods
 			continue
 		}
 		if !asked {
-			live, liveErr = pods.live(ctx, key)
+			live, liveErr = pods.liveOrGone(ctx, key)
 			asked = true
 		}
 		if liveErr != nil {

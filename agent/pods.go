@@ -135,12 +135,11 @@ func (c *podCache) Live(ctx context.Context, namespace, name string) (*corev1.Po
 	return c.client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
 }
 
-// live reads the pod from the API, past the cache: nil when it does not
-// exist.
-func (c *podCache) live(ctx context.Context, key types.NamespacedName) (*corev1.Pod, error) {
+// liveOrGone is Live, bounded, with nil for a pod that does not exist.
+func (c *podCache) liveOrGone(ctx context.Context, key types.NamespacedName) (*corev1.Pod, error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	pod, err := c.client.CoreV1().Pods(key.Namespace).Get(ctx, key.Name, metav1.GetOptions{})
+	pod, err := c.Live(ctx, key.Namespace, key.Name)
 	if apierrors.IsNotFound(err) {
 		return nil, nil
 	}

@@ -675,19 +675,28 @@ func (p *Pipeline) lookup(req *cnievent.Request) (types.UID, bool) {
 // (the caller then checks the sandbox itself).
 func (p *Pipeline) sandboxNamed(req *cnievent.Request) (types.UID, bool) {
 	key := types.NamespacedName{Namespace: req.PodNamespace, Name: req.PodName}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var named types.UID
-	for uid, e := range p.enrolled {
-		if e.pod != key {
-			continue
-		}
-		if e.names(req) {
-			return uid, true
-		}
-		named = uid
+	type candidate struct {
+		uid types.UID
+		e   *entry
 	}
-	return named, named != ""
+	var named []candidate
+	p.mu.Lock()
+	for uid, e := range p.enrolled {
+		if e.pod == key {
+			named = append(named, candidate{uid, e})
+		}
+	}
+	p.mu.Unlock()
+	if len(named) == 0 {
+		return "", false
+	}
+	// Outside the table's lock: telling the sandbox may stat its netns.
+	for _, c := range named {
+		if c.e.names(req) {
+			return c.uid, true
+		}
+	}
+	return named[0].uid, true
 }
 
 // Unenroll removes a pod from the mesh: rules out of its netns (still open
@@ -1193,18 +1202,6 @@ func (p *Pipeline) UIDsOf(pod types.NamespacedName) []types.UID {
 		}
 	}
 	return out
-}
-
-// UIDOf finds an enrolled pod by name (after it left the cache).
-func (p *Pipeline) UIDOf(pod types.NamespacedName) (types.UID, bool) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for uid, e := range p.enrolled {
-		if e.pod == pod {
-			return uid, true
-		}
-	}
-	return "", false
 }
 
 // Enrolled lists the enrolled and held pods by name, for the periodic

@@ -891,10 +891,9 @@ func TestAddWithoutAPodUIDIsForThePodTheAPIHasNow(t *testing.T) {
 	withoutUID := func(pod *corev1.Pod, sb sandbox) (cnievent.Outcome, error) {
 		return f.withoutUID(cnievent.Add, pod, sb, "sandbox-"+pod.Name)
 	}
-	replace := f.replacedInAPI
 
 	old, sb := f.pod("mesh", "web-0", nil), f.sandbox()
-	now := replace(old, "")
+	now := f.replacedInAPI(old, "")
 	if out, err := withoutUID(old, sb); out != cnievent.Redirected {
 		t.Fatalf("ADD = %q, %v", out, err)
 	}
@@ -912,7 +911,7 @@ func TestAddWithoutAPodUIDIsForThePodTheAPIHasNow(t *testing.T) {
 	f.cache.api["mesh/web-1"] = nil
 	f.cache.mu.Unlock()
 	elsewhere, sbElsewhere := f.pod("mesh", "web-2", nil), f.sandbox()
-	replace(elsewhere, "another-node")
+	f.replacedInAPI(elsewhere, "another-node")
 	for _, c := range []struct {
 		pod *corev1.Pod
 		sb  sandbox
