@@ -21,6 +21,14 @@ import (
 type inFlight struct {
 	ackc   chan *zdspb.Ack
 	handOn bool
+	// What its Ack tells about the pods this connection holds (see
+	// acked.go): the request's op and uid, whether it carried a netns, and
+	// void, set (under conn.mu) by a Del of that uid called while it is in
+	// flight.
+	op        string
+	uid       string
+	withNetNS bool
+	void      bool
 }
 
 // request is one message awaiting one Ack.
@@ -53,6 +61,11 @@ type conn struct {
 	mu       sync.Mutex
 	waiting  *inFlight // non-nil while a request is in flight
 	closeErr error
+	// acked holds the uids of the pods whose Add, with a netns, this
+	// connection acknowledged without error and no Del has named since
+	// (see acked.go). Guarded by mu, which also guards the pairing of
+	// each Ack with its request, so the two never disagree.
+	acked map[string]struct{}
 
 	// snapshotAcked is guarded by Server.mu.
 	snapshotAcked bool
@@ -66,6 +79,7 @@ func newConn(id uint64, uc *net.UnixConn, ackTimeout time.Duration, log *slog.Lo
 		log:        log,
 		turn:       make(chan struct{}, 1),
 		done:       make(chan struct{}),
+		acked:      map[string]struct{}{},
 	}
 }
 
@@ -100,6 +114,11 @@ func (c *conn) closeReason() error {
 // the request keeps the turn until its Ack or the connection's end settles
 // it, so no later request is paired with that Ack.
 func (c *conn) do(ctx context.Context, r *request) error {
+	if r.op == "del" {
+		// Before anything can fail: a Del, whatever becomes of it,
+		// ends what Acked says of the pod here.
+		c.forget(r.uid)
+	}
 	select {
 	case <-c.turn:
 	case <-c.done:
@@ -256,7 +275,7 @@ func (c *conn) send(r *request, handOn bool) (chan *zdspb.Ack, error) {
 		c.mu.Unlock()
 		return nil, fmt.Errorf("%w (%s of pod %s)", ErrConnectionClosed, r.op, r.uid)
 	}
-	c.waiting = &inFlight{ackc: ackc, handOn: handOn}
+	c.waiting = &inFlight{ackc: ackc, handOn: handOn, op: r.op, uid: r.uid, withNetNS: r.netns != nil}
 	c.mu.Unlock()
 
 	if err := c.write(r); err != nil {
@@ -384,6 +403,9 @@ func (c *conn) readLoop() {
 		c.mu.Lock()
 		req := c.waiting
 		c.waiting = nil
+		if req != nil {
+			c.noteAckLocked(req, ack)
+		}
 		c.mu.Unlock()
 		if req == nil {
 			c.log.Error("dropping ztunnel connection: ack with no request in flight")
