@@ -33,7 +33,9 @@ type (
 	ProbeSet interface {
 		Add(netip.Addr) error
 		Remove(netip.Addr) error
-		Prune([]netip.Addr) error
+		// Sync makes the exemptions exactly keep (repairing the
+		// node's table first) and says what it changed.
+		Sync(keep []netip.Addr) (added, removed []netip.Addr, err error)
 	}
 	// Ztunnel receives the pods (zds.Server).
 	Ztunnel interface {
@@ -105,6 +107,17 @@ type Config struct {
 	Events   Events
 	Observer Observer
 	Logger   *slog.Logger
+
+	// The verifier's (see verify.go); each may be nil.
+	Listeners      Listeners
+	Acks           ZtunnelAcks
+	Conditions     Conditions
+	VerifyObserver VerifyObserver
+	// Presence says what ztunnel's state lets a verification conclude
+	// (nil: ZtunnelReady).
+	Presence func() ZtunnelPresence
+	// VerifySoon asks for a verification round soon (nil: none).
+	VerifySoon func()
 }
 
 // Pipeline is the enrolled-pod table and the operations on it. Operations
@@ -112,6 +125,11 @@ type Config struct {
 type Pipeline struct {
 	cfg Config
 	log *slog.Logger
+
+	// probeMu keeps the verifier's sync of the probe exemptions (write
+	// side) out of an enrollment between its exemption and its entry in
+	// the table (read side), which the sync would take for stale.
+	probeMu sync.RWMutex
 
 	mu       sync.Mutex
 	enrolled map[types.UID]*entry
@@ -164,6 +182,18 @@ type entry struct {
 	// checkedAt is when the sandbox was last known to be this one: at
 	// enrollment, and at each procfs check.
 	checkedAt time.Time
+	// proven is whether the pod's redirection was last found intact (at
+	// enrollment, or by the verifier); loss is why not. A removal that
+	// failed half-way leaves the entry unproven, so the next reconcile or
+	// verification re-proves it before trusting it.
+	proven bool
+	loss   string
+	// conditionKnown: this agent has set the pod's condition, or found it
+	// as wanted; until then a verification that agrees with the pod's
+	// cached condition writes nothing.
+	conditionKnown bool
+	// gated: the pod's readiness waits for RedirectedCondition.
+	gated bool
 }
 
 // New returns an empty pipeline.
@@ -394,55 +424,111 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 		p.cfg.Annotations.Set(key, pod.UID, AnnotationPending)
 	}
 	applied = true
+	// A running pod (reconcile, restart) keeps what this call applied when
+	// a later step fails: it is enrolled unproven, so a removal finds its
+	// rules and the verifier retries. Rolled back like a new sandbox's, it
+	// would keep rules that no entry names, and a pod that then left the
+	// mesh would be black-holed.
+	loss, lossDetail := "", ""
 	changed, err := p.cfg.Rules.Apply(sb.netns)
 	rulesWritten = changed
 	if err != nil {
-		return abort(fail("RedirectionFailed", "apply redirection rules: %v", err))
+		f := fail("RedirectionFailed", "apply redirection rules: %v", err)
+		if fromCNI {
+			return abort(f)
+		}
+		loss, lossDetail = "RulesNotRepaired", p.report(pod, f).Error()
 	}
+	p.probeMu.RLock()
 	for _, ip := range sb.ips {
 		if err := p.cfg.Probes.Add(ip); err != nil {
-			return abort(fail("ProbeExemptionFailed", "exempt kubelet probes to %s: %v", ip, err))
+			f := fail("ProbeExemptionFailed", "exempt kubelet probes to %s: %v", ip, err)
+			if fromCNI {
+				p.probeMu.RUnlock()
+				return abort(f)
+			}
+			if loss == "" {
+				loss, lossDetail = "ProbeExemptionFailed", p.report(pod, f).Error()
+			}
+			continue
 		}
 		exempted = append(exempted, ip)
 	}
 	info := zds.Workload{UID: string(pod.UID), Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName, NetNS: sb.netns}
-	p.setEntry(pod.UID, &entry{pod: key, netns: sb.netns, id: id, containerID: sb.containerID, sandboxUID: SandboxUID(pod), ips: sb.ips, info: info, checkedAt: time.Now()})
+	ne := &entry{pod: key, netns: sb.netns, id: id, containerID: sb.containerID, sandboxUID: SandboxUID(pod), ips: sb.ips, info: info,
+		checkedAt: time.Now(), gated: HasRedirectedGate(pod)}
+	if old != nil && sameSandbox {
+		// The pod's condition as this agent last set it.
+		ne.proven, ne.loss, ne.conditionKnown = old.proven, old.loss, old.conditionKnown
+	}
+	p.setEntry(pod.UID, ne)
+	p.probeMu.RUnlock()
 	published = true
-	if err := p.cfg.Ztunnel.Add(ctx, info); err != nil {
-		reason := "ZtunnelRejected"
-		if errors.Is(err, zds.ErrNoConnection) {
-			reason = "ZtunnelNotConnected"
-		} else if errors.Is(err, zds.ErrAckTimeout) || errors.Is(err, context.DeadlineExceeded) {
-			reason = "ZtunnelTimeout"
-		}
+	ztunnelLoss, ztunnelDetail := "", ""
+	if loss != "" {
+		// Rules that may not be in place: ztunnel gets the pod from the
+		// verifier once they are.
+	} else if err := p.cfg.Ztunnel.Add(ctx, info); err != nil {
+		reason := ztunnelReason(err)
 		if fromCNI {
 			// Rules without ztunnel's listeners would black-hole the
 			// pod's traffic; the pod does not start anyway.
 			return abort(fail(reason, "hand the pod to ztunnel: %v", err))
 		}
+		// Not an error for the caller: the pod is in the table, so in
+		// every snapshot. With no ztunnel connected (an agent that starts
+		// restores its pods before ztunnel is served) that is all there
+		// is to do; the verifier judges ztunnel's absence on its own.
 		if !errors.Is(err, zds.ErrNoConnection) {
-			p.report(pod, fail(reason, "hand the running pod to ztunnel (it stays enrolled and is in every snapshot): %v", err))
+			ztunnelLoss, ztunnelDetail = reason, p.report(pod, fail(reason, "hand the running pod to ztunnel (it stays enrolled and is in every snapshot): %v", err)).Error()
 		}
 	}
 	if old != nil && old.netns != sb.netns {
 		old.netns.Close()
 		if !sameSandbox {
 			p.log.Info("pod sandbox was recreated; re-enrolled with the new netns", "pod", key, "old", old.id, "new", id)
+			// What else changed with it (the old sandbox's DEL, its
+			// exemptions) is for a verification to find.
+			p.verifySoon()
 		}
-		for _, ip := range old.ips {
-			if !slices.Contains(sb.ips, ip) {
-				if err := p.cfg.Probes.Remove(ip); err != nil {
-					p.log.Warn("could not drop the old sandbox's probe exemption; pruned at the next restart", "pod", key, "ip", ip, "err", err)
-				}
-			}
-		}
+		p.dropExemptions(key, old.ips, sb.ips)
+	}
+	if h := p.heldPod(pod.UID); h != nil {
+		// The previous agent exempted the IPs of the sandbox it
+		// enrolled; those this one does not have may go to a pod
+		// outside the mesh next.
+		p.dropExemptions(key, h.ips, sb.ips)
 	}
 	// Enrolled with a netns now: its Add has replaced the Keep.
 	p.setHeld(pod.UID, nil)
 	p.forgetEnded(pod)
 	p.cfg.Annotations.Set(key, pod.UID, AnnotationEnabled)
+	if loss != "" {
+		p.settle(pod, ne, loss, lossDetail)
+		p.verifySoon()
+		return fmt.Errorf("pod %s enrolled, but its redirection is not proven: %s", key, lossDetail)
+	}
+	p.settle(pod, ne, ztunnelLoss, ztunnelDetail)
+	if ztunnelLoss != "" {
+		p.verifySoon()
+	}
 	p.log.Info("pod enrolled", "pod", key, "uid", pod.UID, "netns", id, "containerID", sb.containerID, "ips", sb.ips)
 	return nil
+}
+
+// dropExemptions ends the probe exemptions of a sandbox's IPs that the
+// pod's current sandbox (keep) does not have: left behind they would SNAT
+// the node's probes of the next pod given the IP, which may be outside the
+// mesh (a default-deny NetworkPolicy then fails its probes).
+func (p *Pipeline) dropExemptions(pod types.NamespacedName, ips, keep []netip.Addr) {
+	for _, ip := range ips {
+		if slices.Contains(keep, ip) {
+			continue
+		}
+		if err := p.cfg.Probes.Remove(ip); err != nil {
+			p.log.Warn("could not drop an old sandbox's probe exemption; the verifier retries", "pod", pod, "ip", ip, "err", err)
+		}
+	}
 }
 
 // unpublish takes a new sandbox whose start failed out of the table again:
@@ -737,10 +823,24 @@ func (p *Pipeline) unenroll(ctx context.Context, uid types.UID, e *entry) error 
 		}
 	}
 	if err := errors.Join(errs...); err != nil {
+		// Back in the table, but no longer proven: its rules may be gone
+		// while ztunnel still holds it, or ztunnel may have dropped it
+		// with its rules still there. If the pod is labelled back
+		// before the retry, the reconcile re-proves it instead of
+		// trusting the entry.
+		p.mu.Lock()
+		e.proven, e.loss = false, "RemovalIncomplete"
+		p.mu.Unlock()
 		p.setEntry(uid, e)
+		p.verifySoon()
 		return err
 	}
 	e.netns.Close()
+	if e.gated && p.cfg.Conditions != nil {
+		// Out of the mesh, the pod has nothing left to prove; the gate
+		// must not keep it from serving.
+		p.cfg.Conditions.Set(e.pod, uid, true, ReasonNotEnrolled, "the pod is not in the mesh")
+	}
 	if err := p.forget(uid); err != nil {
 		p.log.Warn("could not drop the pod's record; the next agent takes it for enrolled before", "pod", e.pod, "err", err)
 	}
@@ -1003,6 +1103,11 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 			p.markRelabelledOut(pod)
 		}
 		return nil
+	case !want && h == nil && !(restoring && p.enrolledBefore(pod)):
+		if !finished {
+			p.releaseGate(pod)
+		}
+		return nil
 	case !want && (h != nil || restoring && p.enrolledBefore(pod)):
 		ips := podIPs(pod)
 		if h != nil {
@@ -1013,7 +1118,16 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 			hold(ips)
 			return err
 		}
+		p.releaseGate(pod)
 		return nil
+	case want && e != nil && !p.isProven(e):
+		// Something may have broken it (a removal that failed half-way
+		// before the pod was labelled back, a failed repair): proven
+		// again, or repaired, before it is trusted.
+		p.verify(ctx, pod, e, p.presence())
+		if e := p.entry(pod.UID); e != nil && !p.isProven(e) {
+			return fmt.Errorf("pod %s/%s: redirection not proven: %s", pod.Namespace, pod.Name, e.loss)
+		}
 	case want && e != nil:
 		if p.sandboxMayHaveChanged(pod, e) {
 			if err := p.verifySandbox(ctx, pod, e); err != nil {
@@ -1054,8 +1168,18 @@ func (p *Pipeline) sandboxMayHaveChanged(pod *corev1.Pod, e *entry) bool {
 	p.mu.Lock()
 	checkedAt := e.checkedAt
 	p.mu.Unlock()
+	// The API keeps whole seconds: a sandbox recreated in the second of
+	// the last check has a transition time before it. For such a
+	// transition the held netns is asked whether it still holds the pod's
+	// IPs (a netlink read, not a procfs scan: a torn-down sandbox's DEL
+	// took its interface); most pods' first status update lands in the
+	// second they were enrolled in.
 	for _, c := range pod.Status.Conditions {
-		if c.Type == corev1.PodReadyToStartContainers && c.LastTransitionTime.After(checkedAt) {
+		if c.Type != corev1.PodReadyToStartContainers {
+			continue
+		}
+		if t := c.LastTransitionTime.Time; t.After(checkedAt) ||
+			!t.Before(checkedAt.Truncate(time.Second)) && !p.cfg.Finder.Holds(e.netns, podIPs(pod)) {
 			return true
 		}
 	}

@@ -153,6 +153,16 @@ type fixture struct {
 	log     *slog.Logger
 	// stopServer stops the ZDS server of the running pipeline.
 	stopServer func()
+	// conds records the pod conditions asked for; failDel makes every
+	// ZDS Del fail (a ztunnel stalled past the Ack timeout).
+	conds   *conditions
+	failDel atomic.Bool
+	// verifySoon counts the pipeline's asks for a verification round.
+	verifySoon atomic.Int32
+	// zt is the ztunnel presence the verifier is told (ZtunnelReady at
+	// first); srv the running pipeline's ZDS server.
+	zt  atomic.Int32
+	srv *zds.Server
 }
 
 func newFixture(t *testing.T) *fixture {
@@ -168,8 +178,9 @@ func newFixture(t *testing.T) *fixture {
 			"mesh":  {ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}},
 			"plain": {ObjectMeta: metav1.ObjectMeta{Name: "plain"}},
 		}},
-		rec:  &recorder{annots: map[types.NamespacedName]string{}},
-		sock: filepath.Join(testkit.ShortTempDir(t, "enroll-"), "ztunnel.sock"),
+		rec:   &recorder{annots: map[types.NamespacedName]string{}},
+		conds: &conditions{last: map[types.UID]condition{}},
+		sock:  filepath.Join(testkit.ShortTempDir(t, "enroll-"), "ztunnel.sock"),
 	}
 	var err error
 	if f.records, err = enrolledrecord.Open(filepath.Join(t.TempDir(), "enrolled")); err != nil {
@@ -195,7 +206,7 @@ func (f *fixture) startAgent(restore func()) {
 	f.p = enroll.New(enroll.Config{
 		Rules:       nftRules{redirect.NewEngine(redirect.NewNFTables())},
 		Probes:      f.probes,
-		Ztunnel:     ztunnelRef{&srv},
+		Ztunnel:     ztunnelRef{s: &srv, failDel: &f.failDel},
 		Pods:        f.cache,
 		Finder:      f.finder,
 		Annotations: f.rec,
@@ -203,12 +214,18 @@ func (f *fixture) startAgent(restore func()) {
 		Events:      f.rec,
 		Observer:    f.rec,
 		Logger:      f.log,
+		Listeners:   standinListeners{},
+		Acks:        ztunnelRef{s: &srv},
+		Conditions:  f.conds,
+		VerifySoon:  func() { f.verifySoon.Add(1) },
+		Presence:    func() enroll.ZtunnelPresence { return enroll.ZtunnelPresence(f.zt.Load()) },
 	})
 	t.Cleanup(f.p.Close)
 	srv, err := zds.NewServer(zds.Config{SocketPath: f.sock, Source: f.p, Logger: f.log})
 	if err != nil {
 		t.Fatal(err)
 	}
+	f.srv = srv
 	if restore != nil {
 		restore()
 	}
@@ -223,10 +240,20 @@ func (f *fixture) startAgent(restore func()) {
 }
 
 // ztunnelRef lets the pipeline be built before the server that reads it.
-type ztunnelRef struct{ s **zds.Server }
+type ztunnelRef struct {
+	s       **zds.Server
+	failDel *atomic.Bool
+}
 
 func (z ztunnelRef) Add(ctx context.Context, w zds.Workload) error { return (*z.s).Add(ctx, w) }
-func (z ztunnelRef) Del(ctx context.Context, uid string) error     { return (*z.s).Del(ctx, uid) }
+func (z ztunnelRef) Acked(uid string) bool                         { return (*z.s).Acked(uid) }
+
+func (z ztunnelRef) Del(ctx context.Context, uid string) error {
+	if z.failDel != nil && z.failDel.Load() {
+		return zds.ErrAckTimeout
+	}
+	return (*z.s).Del(ctx, uid)
+}
 
 type tlog struct{ t testing.TB }
 

@@ -28,7 +28,7 @@ func TestSnapshotFilesOutliveAnUnenroll(t *testing.T) {
 	pods := map[string]*netnstest.NetNS{"uid-x": netnstest.New(t), "uid-y": netnstest.New(t)}
 	var srv *zds.Server // the pipeline is the server's source, the server its ztunnel
 	p := enroll.New(enroll.Config{
-		Rules: snapshotNoRules{}, Probes: snapshotNoProbes{}, Pods: snapshotPods{}, Ztunnel: ztunnelRef{&srv},
+		Rules: snapshotNoRules{}, Probes: snapshotNoProbes{}, Pods: snapshotPods{}, Ztunnel: ztunnelRef{s: &srv},
 		Annotations: snapshotNop{}, Events: snapshotNop{}, Observer: snapshotNop{},
 	})
 	t.Cleanup(p.Close)
@@ -88,9 +88,11 @@ func (snapshotNoRules) Remove(*os.File) (bool, error) { return true, nil }
 
 type snapshotNoProbes struct{}
 
-func (snapshotNoProbes) Add(netip.Addr) error     { return nil }
-func (snapshotNoProbes) Remove(netip.Addr) error  { return nil }
-func (snapshotNoProbes) Prune([]netip.Addr) error { return nil }
+func (snapshotNoProbes) Add(netip.Addr) error    { return nil }
+func (snapshotNoProbes) Remove(netip.Addr) error { return nil }
+func (snapshotNoProbes) Sync([]netip.Addr) (added, removed []netip.Addr, err error) {
+	return nil, nil, nil
+}
 
 // snapshotPods knows every pod asked for, enrolled by its label.
 type snapshotPods struct{}

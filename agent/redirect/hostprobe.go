@@ -196,13 +196,28 @@ func (h *HostProbes) change(ip netip.Addr, add bool) error {
 // Prune makes the sets hold exactly keep: IPs of pods that went away while
 // the agent was down lose their exemption.
 func (h *HostProbes) Prune(keep []netip.Addr) error {
+	_, _, err := h.sync(keep)
+	return err
+}
+
+// Sync repairs the table (Ensure), then makes the sets hold exactly keep,
+// and says what it added and removed: the verifier's check that the
+// exemptions are the enrolled pods' current IPs and no others.
+func (h *HostProbes) Sync(keep []netip.Addr) (added, removed []netip.Addr, err error) {
+	if err := h.Ensure(); err != nil {
+		return nil, nil, err
+	}
+	return h.sync(keep)
+}
+
+func (h *HostProbes) sync(keep []netip.Addr) (added, removed []netip.Addr, err error) {
 	c, err := h.conn()
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	members, err := h.members(c)
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	want := map[Family][]netip.Addr{}
 	for _, a := range keep {
@@ -217,25 +232,29 @@ func (h *HostProbes) Prune(keep []netip.Addr) error {
 			}
 		}
 		for _, a := range want[f] {
-			if !slices.Contains(members[f], a) {
+			if !slices.Contains(members[f], a) && !slices.Contains(missing, a) {
 				missing = append(missing, a)
 			}
 		}
 		if len(stale) > 0 {
 			if err := c.SetDeleteElements(probeSet(f), elements(stale)); err != nil {
-				return err
+				return nil, nil, err
 			}
 		}
 		if len(missing) > 0 {
 			if err := c.SetAddElements(probeSet(f), elements(missing)); err != nil {
-				return err
+				return nil, nil, err
 			}
 		}
+		added, removed = append(added, missing...), append(removed, stale...)
+	}
+	if len(added)+len(removed) == 0 {
+		return nil, nil, nil
 	}
 	if err := c.Flush(); err != nil {
-		return fmt.Errorf("redirect: prune probe sets: %w", err)
+		return nil, nil, fmt.Errorf("redirect: prune probe sets: %w", err)
 	}
-	return nil
+	return added, removed, nil
 }
 
 // Members lists the IPs currently exempted.

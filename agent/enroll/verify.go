@@ -1,0 +1,417 @@
+package enroll
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/inpod-dev/inpod/zds"
+)
+
+// The verifier: a pod's redirection is proven when its sandbox starts (rules
+// applied, ztunnel's Ack), and then re-proven, because anything may take it
+// away later while the pod's annotation still says "enabled": a process in
+// the pod (or an operator) flushing its netfilter tables, a ztunnel whose
+// proxy for the pod died, a partly failed removal followed by a relabel, a
+// probe exemption left behind for an IP a pod outside the mesh now has.
+// Each verification of an enrolled pod proves, in this order:
+//
+//   - its sandbox is the one enrolled: the held netns still holds the IPs
+//     the pod's status reports, else procfs is asked which netns is the
+//     pod's now (and a new one is redirected);
+//   - its netns holds exactly inpod's rule set, read from the kernel and
+//     compared with what the engine writes (Rules.Apply: an intact set is
+//     left alone, anything else is replaced in one transaction);
+//   - the ztunnel that Adds go to has acknowledged the pod on its current
+//     connection (else it is Added again), and ztunnel's listeners are bound
+//     in the netns (else ztunnel is asked to start the pod's proxy anew:
+//     a Del, then an Add).
+//
+// Once per round, the node's probe exemptions are made exactly the enrolled
+// pods' current IPs. What it cannot repair at once it reports: a Warning
+// Event and, on pods that carry the readiness gate, the condition
+// inpod.dev/redirected turned False, so a Service sends them nothing until a
+// verification finds everything intact again. A repair also turns the
+// condition False until the next verification (scheduled at once) finds
+// the repair holding: the pod ran unredirected for a while, and what broke
+// it may break it again.
+
+// RedirectedCondition is the pod condition (and readiness gate) the agent
+// sets True while a pod's redirection is proven.
+const RedirectedCondition = "inpod.dev/redirected"
+
+// Reasons of the pod condition and the verifier's Events.
+const (
+	ReasonRedirected = "Redirected"
+	// ReasonNotEnrolled: a pod that carries the readiness gate but is not
+	// in the mesh (it left it, or its namespace was unlabelled before it
+	// started); the gate must never hold back a pod outside the mesh.
+	ReasonNotEnrolled = "NotEnrolled"
+	// EventRepaired is the Event of a loss found and repaired.
+	EventRepaired = "RedirectionRepaired"
+	// EventFailed is the Event of a loss the verifier cannot repair.
+	EventFailed = "RedirectionFailed"
+)
+
+// The verifier's collaborators, as it uses them; each may be nil (that
+// check or report is then skipped).
+type (
+	// Listeners reports which of ztunnel's in-pod listeners a netns lacks
+	// (redirect.Listening with the ports ztunnel binds).
+	Listeners interface {
+		Missing(ns *os.File) ([]uint16, error)
+	}
+	// ZtunnelAcks says whether the ztunnel connection Adds go to has
+	// acknowledged the pod (zds.Server.Acked).
+	ZtunnelAcks interface {
+		Acked(uid string) bool
+	}
+	// Conditions converge a pod's RedirectedCondition, off the critical
+	// path (podcondition.Writer).
+	Conditions interface {
+		Set(pod types.NamespacedName, uid types.UID, proven bool, reason, message string)
+	}
+	// VerifyObserver counts the verifier's work for metrics.
+	VerifyObserver interface {
+		Verified(took time.Duration)
+		Repaired(kind string)
+		Unproven(n int)
+	}
+)
+
+// Repair kinds, for metrics and Events.
+const (
+	RepairSandbox   = "sandbox"
+	RepairRules     = "rules"
+	RepairZtunnel   = "ztunnel"
+	RepairListeners = "listeners"
+	RepairProbes    = "probe-exemption"
+)
+
+// ZtunnelPresence is what a verification may conclude from ztunnel's state.
+type ZtunnelPresence int
+
+const (
+	// ZtunnelReady: a ztunnel has acknowledged its snapshot; each pod's
+	// Ack and listeners are checked.
+	ZtunnelReady ZtunnelPresence = iota
+	// ZtunnelReconnecting: no ztunnel is ready, for less than the grace the
+	// agent gives a restarting ztunnel; the ztunnel checks are skipped
+	// (an agent or ztunnel restart must not flip every pod's condition).
+	ZtunnelReconnecting
+	// ZtunnelAway: none for longer; every pod is unproven.
+	ZtunnelAway
+)
+
+// Verification is what one round found.
+type Verification struct {
+	Pods     int
+	Repaired map[string]int
+	// Unproven are the pods left with a loss the round could not repair.
+	Unproven []types.NamespacedName
+}
+
+// VerifyAll re-proves every enrolled pod; pod returns the pod the agent's
+// cache holds under a name (nil if none). A pod whose cached object is
+// another incarnation is left to the reconciler. It then makes the probe
+// exemptions exactly the enrolled pods' IPs.
+func (p *Pipeline) VerifyAll(ctx context.Context, pod func(types.NamespacedName) *corev1.Pod) Verification {
+	start := time.Now()
+	zt := p.presence()
+	p.mu.Lock()
+	uids := make([]types.UID, 0, len(p.enrolled))
+	for uid := range p.enrolled {
+		uids = append(uids, uid)
+	}
+	p.mu.Unlock()
+	v := Verification{Repaired: map[string]int{}}
+	for _, uid := range uids {
+		if ctx.Err() != nil {
+			break
+		}
+		unlock := p.lock(uid)
+		e := p.entry(uid)
+		var cached *corev1.Pod
+		if e != nil {
+			cached = pod(e.pod)
+		}
+		if cached != nil && cached.UID == uid {
+			v.Pods++
+			repairs := p.verify(ctx, cached, e, zt)
+			for _, r := range repairs {
+				v.Repaired[r]++
+			}
+			if e := p.entry(uid); e != nil && !e.proven {
+				v.Unproven = append(v.Unproven, e.pod)
+			}
+		}
+		unlock()
+	}
+	if n := p.syncProbes(); n > 0 {
+		v.Repaired[RepairProbes] += n
+	}
+	if o := p.cfg.VerifyObserver; o != nil {
+		o.Verified(time.Since(start))
+		o.Unproven(p.unprovenCount())
+	}
+	return v
+}
+
+// verify proves one enrolled pod, repairing what it can, and settles its
+// proof. The pod's lock is held. It returns the kinds repaired.
+func (p *Pipeline) verify(ctx context.Context, pod *corev1.Pod, e *entry, zt ZtunnelPresence) []string {
+	var repairs []string
+	loss, detail := func() (string, string) {
+		// The sandbox.
+		if ips := podIPs(pod); p.sandboxMayHaveChanged(pod, e) || len(ips) > 0 && !p.cfg.Finder.Holds(e.netns, ips) {
+			if err := p.verifySandbox(ctx, pod, e); err != nil {
+				return "SandboxNotRedirected", err.Error()
+			}
+			if now := p.entry(pod.UID); now != e {
+				if now == nil {
+					return "", ""
+				}
+				repairs = append(repairs, RepairSandbox)
+				e = now
+			}
+		}
+		// The rules.
+		changed, err := p.cfg.Rules.Apply(e.netns)
+		if err != nil {
+			return "RulesNotRepaired", fmt.Sprintf("the pod's redirection rules could not be verified or re-applied: %v", err)
+		}
+		if changed {
+			repairs = append(repairs, RepairRules)
+		}
+		// ztunnel.
+		switch zt {
+		case ZtunnelReconnecting:
+			return "", ""
+		case ZtunnelAway:
+			return "ZtunnelNotConnected", "no ztunnel is connected to proxy the pod's traffic"
+		}
+		if p.cfg.Acks != nil && !p.cfg.Acks.Acked(string(pod.UID)) {
+			if err := p.cfg.Ztunnel.Add(ctx, e.info); err != nil {
+				return ztunnelReason(err), fmt.Sprintf("ztunnel does not hold the pod, and handing it over again failed: %v", err)
+			}
+			repairs = append(repairs, RepairZtunnel)
+		}
+		if p.cfg.Listeners == nil {
+			return "", ""
+		}
+		missing, err := p.cfg.Listeners.Missing(e.netns)
+		if err != nil {
+			return "ListenersUnknown", fmt.Sprintf("could not read the sockets in the pod's netns: %v", err)
+		}
+		if len(missing) == 0 {
+			return "", ""
+		}
+		// ztunnel holds the pod but its proxy is not listening there: an
+		// Add for a pod it holds changes nothing, so it forgets the pod
+		// first (the pod stays in the table and in every snapshot).
+		if err := p.cfg.Ztunnel.Del(ctx, string(pod.UID)); err != nil {
+			return ztunnelReason(err), fmt.Sprintf("ztunnel's listeners %v are missing from the pod, and ztunnel could not be asked to drop its proxy: %v", missing, err)
+		}
+		if err := p.cfg.Ztunnel.Add(ctx, e.info); err != nil {
+			return ztunnelReason(err), fmt.Sprintf("ztunnel's listeners %v were missing from the pod, and ztunnel could not be asked to start its proxy again: %v", missing, err)
+		}
+		repairs = append(repairs, RepairListeners)
+		if again, err := p.cfg.Listeners.Missing(e.netns); err != nil || len(again) > 0 {
+			return "ListenersMissing", fmt.Sprintf("ztunnel acknowledged the pod again, but its listeners %v are still missing from the pod's netns (err: %v)", again, err)
+		}
+		return "", ""
+	}()
+	if e = p.entry(pod.UID); e == nil {
+		return repairs
+	}
+	for _, r := range repairs {
+		if o := p.cfg.VerifyObserver; o != nil {
+			o.Repaired(r)
+		}
+	}
+	if len(repairs) > 0 {
+		msg := "found and repaired: " + describeRepairs(repairs)
+		p.log.Warn("pod's redirection was lost and is repaired", "pod", e.pod, "uid", pod.UID, "repaired", repairs)
+		p.cfg.Events.Warn(pod, EventRepaired, msg)
+		if loss == "" {
+			// Proven again only by a verification that finds the
+			// repair holding.
+			loss, detail = "Repaired", msg+"; re-verifying"
+			p.verifySoon()
+		}
+	}
+	p.settle(pod, e, loss, detail)
+	return repairs
+}
+
+func describeRepairs(kinds []string) string {
+	var parts []string
+	for _, k := range kinds {
+		switch k {
+		case RepairSandbox:
+			parts = append(parts, "the pod ran in a sandbox inpod had not redirected (now redirected)")
+		case RepairRules:
+			parts = append(parts, "the redirection rules in the pod's netns were missing or altered (re-applied)")
+		case RepairZtunnel:
+			parts = append(parts, "ztunnel did not hold the pod (handed over again)")
+		case RepairListeners:
+			parts = append(parts, "ztunnel's listeners were missing from the pod's netns (its proxy restarted)")
+		default:
+			parts = append(parts, k)
+		}
+	}
+	return strings.Join(parts, "; ")
+}
+
+func ztunnelReason(err error) string {
+	switch {
+	case errors.Is(err, zds.ErrNoConnection):
+		return "ZtunnelNotConnected"
+	case errors.Is(err, zds.ErrAckTimeout), errors.Is(err, context.DeadlineExceeded):
+		return "ZtunnelTimeout"
+	}
+	return "ZtunnelRejected"
+}
+
+// settle records whether the pod's redirection is proven (loss "") and
+// reports a change: a Warning Event when a proven pod loses it (a failed
+// enrollment reports its own), and the pod condition either way. A
+// verification with the same outcome as the last writes nothing, and
+// neither does the first one of this agent that finds the pod's condition
+// already as it should be (an agent restart costs no API writes).
+func (p *Pipeline) settle(pod *corev1.Pod, e *entry, loss, detail string) {
+	proven := loss == ""
+	p.mu.Lock()
+	was, wasLoss, known := e.proven, e.loss, e.conditionKnown
+	e.proven, e.loss, e.conditionKnown = proven, loss, true
+	p.mu.Unlock()
+	if known && was && !proven && loss != "Repaired" {
+		p.log.Error("pod's redirection is not proven", "pod", e.pod, "uid", pod.UID, "reason", loss, "detail", detail)
+		p.cfg.Events.Warn(pod, EventFailed, detail)
+	}
+	if known && was == proven && wasLoss == loss {
+		return
+	}
+	if !known && conditionIs(pod, proven) {
+		return
+	}
+	if proven {
+		if known {
+			p.log.Info("pod's redirection is proven again", "pod", e.pod, "uid", pod.UID)
+		}
+		p.setCondition(pod, true, ReasonRedirected, "redirection rules in place and ztunnel holds the pod")
+		return
+	}
+	p.setCondition(pod, false, loss, detail)
+}
+
+// conditionIs reports whether the pod (as cached) has RedirectedCondition
+// with the status proven calls for.
+func conditionIs(pod *corev1.Pod, proven bool) bool {
+	want := corev1.ConditionFalse
+	if proven {
+		want = corev1.ConditionTrue
+	}
+	for _, c := range pod.Status.Conditions {
+		if c.Type == RedirectedCondition {
+			return c.Status == want
+		}
+	}
+	return false
+}
+
+// setCondition converges the pod's condition, only on pods whose
+// readiness gate reads it: for the others it would be an API write per pod
+// start that nothing waits for.
+func (p *Pipeline) setCondition(pod *corev1.Pod, proven bool, reason, message string) {
+	if p.cfg.Conditions == nil || !HasRedirectedGate(pod) {
+		return
+	}
+	p.cfg.Conditions.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, pod.UID, proven, reason, message)
+}
+
+// HasRedirectedGate reports whether the pod's readiness waits for
+// RedirectedCondition.
+func HasRedirectedGate(pod *corev1.Pod) bool {
+	return slices.ContainsFunc(pod.Spec.ReadinessGates, func(g corev1.PodReadinessGate) bool {
+		return g.ConditionType == RedirectedCondition
+	})
+}
+
+// syncProbes makes the node's probe exemptions exactly the enrolled and
+// held pods' IPs (not while a held pod reports none: see PruneSafe). It
+// holds probeMu, so an enrollment between its exemption and its entry in
+// the table is never taken for a stale one. It returns how many exemptions
+// it added or removed.
+func (p *Pipeline) syncProbes() int {
+	p.probeMu.Lock()
+	defer p.probeMu.Unlock()
+	if !p.PruneSafe() {
+		return 0
+	}
+	added, removed, err := p.cfg.Probes.Sync(p.EnrolledIPs())
+	if err != nil {
+		p.log.Error("could not verify the node's probe exemptions", "err", err)
+		return 0
+	}
+	if len(added)+len(removed) > 0 {
+		p.log.Warn("probe exemptions were not the enrolled pods' IPs; repaired", "added", added, "removed", removed)
+		if o := p.cfg.VerifyObserver; o != nil {
+			for range len(added) + len(removed) {
+				o.Repaired(RepairProbes)
+			}
+		}
+	}
+	return len(added) + len(removed)
+}
+
+func (p *Pipeline) unprovenCount() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for _, e := range p.enrolled {
+		if !e.proven {
+			n++
+		}
+	}
+	return n
+}
+
+// verifySoon asks the agent for a verification round soon: something may
+// have broken a pod's redirection.
+func (p *Pipeline) verifySoon() {
+	if p.cfg.VerifySoon != nil {
+		p.cfg.VerifySoon()
+	}
+}
+
+// releaseGate lets a pod that carries the readiness gate but is not in the
+// mesh become ready: the gate must never hold back a pod outside it. The
+// caller knows the pod is not enrolled (positive knowledge) and holds its
+// lock.
+func (p *Pipeline) releaseGate(pod *corev1.Pod) {
+	if p.cfg.Conditions == nil || !HasRedirectedGate(pod) || conditionIs(pod, true) {
+		return
+	}
+	p.cfg.Conditions.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, pod.UID, true, ReasonNotEnrolled, "the pod is not in the mesh")
+}
+
+func (p *Pipeline) isProven(e *entry) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return e.proven
+}
+
+func (p *Pipeline) presence() ZtunnelPresence {
+	if p.cfg.Presence == nil {
+		return ZtunnelReady
+	}
+	return p.cfg.Presence()
+}

@@ -1,0 +1,363 @@
+package enroll_test
+
+import (
+	"context"
+	"net/netip"
+	"os"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/internal/testkit"
+	"github.com/inpod-dev/inpod/netns/netnstest"
+	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
+)
+
+// The verifier against the same real pieces as the pipeline: rules read
+// back from the kernel, ztunnel's listeners read through sock_diag in the
+// pod's netns, the stand-in's Acks on a real ZDS connection.
+
+type condition struct {
+	proven bool
+	reason string
+}
+
+// conditions records the pod conditions asked for, in order.
+type conditions struct {
+	mu      sync.Mutex
+	last    map[types.UID]condition
+	history map[types.UID][]condition
+}
+
+func (c *conditions) Set(_ types.NamespacedName, uid types.UID, proven bool, reason, _ string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.last[uid] = condition{proven, reason}
+	if c.history == nil {
+		c.history = map[types.UID][]condition{}
+	}
+	c.history[uid] = append(c.history[uid], condition{proven, reason})
+}
+
+func (c *conditions) of(uid types.UID) (condition, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	v, ok := c.last[uid]
+	return v, ok
+}
+
+func (c *conditions) dipped(uid types.UID) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return slices.ContainsFunc(c.history[uid], func(v condition) bool { return !v.proven })
+}
+
+// standinListeners are the ports the stand-in binds without DNS.
+type standinListeners struct{}
+
+func (standinListeners) Missing(ns *os.File) ([]uint16, error) {
+	return redirect.Listening(ns, []uint16{ztunnel.PortOutbound, ztunnel.PortInbound, ztunnel.PortHBONE})
+}
+
+// gated gives the pod the readiness gate the admission policy adds.
+func (f *fixture) gated(pod *corev1.Pod) *corev1.Pod {
+	p := pod.DeepCopy()
+	p.Spec.ReadinessGates = []corev1.PodReadinessGate{{ConditionType: enroll.RedirectedCondition}}
+	f.cache.mu.Lock()
+	f.cache.pods[p.Namespace+"/"+p.Name] = p
+	f.cache.mu.Unlock()
+	return p
+}
+
+func (f *fixture) cached(key types.NamespacedName) *corev1.Pod {
+	f.cache.mu.Lock()
+	defer f.cache.mu.Unlock()
+	return f.cache.pods[key.Namespace+"/"+key.Name]
+}
+
+func (f *fixture) verifyAll() enroll.Verification {
+	f.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+	defer cancel()
+	return f.p.VerifyAll(ctx, f.cached)
+}
+
+// enrolledRunning starts an enrolled, gated pod through its CNI ADD.
+func (f *fixture) enrolledRunning(name string) (*corev1.Pod, sandbox) {
+	f.t.Helper()
+	pod, sb := f.gated(f.pod("mesh", name, nil)), f.sandbox()
+	if out, err := f.add(pod, sb, name+"-c1"); out != cnievent.Redirected {
+		f.t.Fatalf("ADD = %q, %v", out, err)
+	}
+	return f.running(pod, sb), sb
+}
+
+// Tamper: the pod's netfilter tables flushed from inside its netns. The
+// verifier finds the set gone, writes it again, says so in an Event, and
+// the condition dips until the next verification finds the repair holding.
+func TestVerifierRepairsRulesFlushedInThePod(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	pod, sb := f.enrolledRunning("tampered")
+	if c, ok := f.conds.of(pod.UID); !ok || !c.proven {
+		t.Fatalf("condition after the ADD = %+v (%v); want proven", c, ok)
+	}
+	if v := f.verifyAll(); len(v.Repaired) != 0 || len(v.Unproven) != 0 {
+		t.Fatalf("an intact pod's verification = %+v; want nothing repaired", v)
+	}
+	sb.Exec(t, "nft", "flush", "ruleset")
+	if hasRules(t, sb) {
+		t.Fatal("the tamper did not take")
+	}
+	if v := f.verifyAll(); v.Repaired[enroll.RepairRules] != 1 {
+		t.Fatalf("verification after the flush = %+v; want the rules repaired", v)
+	}
+	if !hasRules(t, sb) {
+		t.Fatal("the rules are still gone after the verification")
+	}
+	if !slices.Contains(f.rec.reasons(), enroll.EventRepaired) {
+		t.Fatalf("events %v; want %s", f.rec.reasons(), enroll.EventRepaired)
+	}
+	if c, _ := f.conds.of(pod.UID); c.proven {
+		t.Fatalf("condition right after a repair = %+v; want it False until a verification finds the repair holding", c)
+	}
+	if f.verifySoon.Load() == 0 {
+		t.Fatal("a repair asked for no verification soon")
+	}
+	f.verifyAll()
+	if c, _ := f.conds.of(pod.UID); !c.proven || c.reason != enroll.ReasonRedirected {
+		t.Fatalf("condition after the repair held = %+v; want proven", c)
+	}
+}
+
+// ztunnel forgot the pod (a Del nobody asked the agent for; its proxy
+// gone): the verifier hands the pod over again and the listeners are back.
+func TestVerifierHandsAPodZtunnelDroppedOverAgain(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	pod, sb := f.enrolledRunning("dropped")
+	if missing, err := (standinListeners{}).Missing(sb.Open(t)); err != nil || len(missing) != 0 {
+		t.Fatalf("listeners missing after the ADD: %v, %v", missing, err)
+	}
+	if err := f.srv.Del(context.Background(), string(pod.UID)); err != nil {
+		t.Fatal(err)
+	}
+	testkit.Eventually(t, waitFor, "the stand-in to drop the pod", func() bool { _, ok := inZtunnel(z, pod); return !ok })
+	if v := f.verifyAll(); v.Repaired[enroll.RepairZtunnel] != 1 {
+		t.Fatalf("verification = %+v; want ztunnel repaired", v)
+	}
+	if _, ok := inZtunnel(z, pod); !ok {
+		t.Fatal("ztunnel does not run the pod after the repair")
+	}
+	if missing, err := (standinListeners{}).Missing(sb.Open(t)); err != nil || len(missing) != 0 {
+		t.Fatalf("listeners missing after the repair: %v, %v", missing, err)
+	}
+}
+
+// With no ztunnel for longer than the grace, every pod is unproven, with
+// one Warning each, not one per round; back, they are proven again.
+func TestVerifierReportsAPodWithoutZtunnelOnce(t *testing.T) {
+	f := newFixture(t)
+	_, stop := f.standin(ztunnel.Config{})
+	pod, _ := f.enrolledRunning("alone")
+	stop()
+	f.zt.Store(int32(enroll.ZtunnelAway))
+	for range 3 {
+		f.verifyAll()
+	}
+	if c, _ := f.conds.of(pod.UID); c.proven || c.reason != "ZtunnelNotConnected" {
+		t.Fatalf("condition without ztunnel = %+v", c)
+	}
+	if n := countOf(f.rec.reasons(), enroll.EventFailed); n != 1 {
+		t.Fatalf("%d %s events over three rounds; want one", n, enroll.EventFailed)
+	}
+	f.standin(ztunnel.Config{})
+	f.zt.Store(int32(enroll.ZtunnelReady))
+	if v := f.verifyAll(); len(v.Unproven) != 0 {
+		t.Fatalf("verification with ztunnel back = %+v", v)
+	}
+	if c, _ := f.conds.of(pod.UID); !c.proven {
+		t.Fatalf("condition with ztunnel back = %+v", c)
+	}
+}
+
+// Sequence 1 of issue 35: the namespace is unlabelled, the rules come out,
+// ztunnel's Del fails (stalled past its Ack timeout), so the entry goes
+// back; the label returns before the retry. The relabelled pod must be
+// redirected again, not trusted on its stale entry.
+func TestRelabelAfterAPartlyFailedRemovalRedirectsAgain(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	pod, sb := f.enrolledRunning("relabelled")
+	f.failDel.Store(true)
+	f.labelNamespace("mesh", false)
+	if err := f.p.Reconcile(context.Background(), f.cached(types.NamespacedName{Namespace: "mesh", Name: pod.Name})); err == nil {
+		t.Fatal("the removal whose Del failed reported success")
+	}
+	if hasRules(t, sb) {
+		t.Fatal("the rules stayed in the pod taken out of the mesh (the fault is not the one under test)")
+	}
+	f.labelNamespace("mesh", true)
+	f.failDel.Store(false)
+	if err := f.p.Reconcile(context.Background(), f.cached(types.NamespacedName{Namespace: "mesh", Name: pod.Name})); err != nil {
+		t.Logf("reconcile after the relabel: %v", err)
+	}
+	if !hasRules(t, sb) {
+		t.Fatal("the relabelled pod runs without rules while its entry says enrolled")
+	}
+}
+
+// Sequence 2 of issue 35: a pod held from the previous agent with IP A
+// starts a new sandbox with IP B. The exemption of A must go: the next pod
+// given A may be outside the mesh, and its probes would be SNATed.
+func TestHeldPodsOldExemptionGoesWithItsNewSandbox(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	pod := f.pod("mesh", "moved", nil)
+	old := f.sandbox()
+	// Enrolled by the previous agent: annotated, exempted; its sandbox is
+	// not found now (no process of the pod holds it).
+	if err := f.probes.Add(old.ip); err != nil {
+		t.Fatal(err)
+	}
+	f.annotate(f.running(pod, old), enroll.AnnotationEnabled)
+	f.restart(z)
+	if !f.exempted(old.ip) {
+		t.Fatal("the held pod lost its exemption at the restart (setup)")
+	}
+	fresh := f.sandbox()
+	if out, err := f.add(pod, fresh, "c2"); out != cnievent.Redirected {
+		t.Fatalf("ADD of the new sandbox = %q, %v", out, err)
+	}
+	if f.exempted(old.ip) {
+		t.Fatalf("the old sandbox's IP %s is still exempted after the pod moved to %s", old.ip, fresh.ip)
+	}
+	if !f.exempted(fresh.ip) {
+		t.Fatal("the new sandbox is not exempted")
+	}
+}
+
+// Sequence 3 of issue 35: a running pod enrolled by reconcile whose probe
+// exemption fails after its rules went in. Left out of the table, its rules
+// would stay when it leaves the mesh, black-holing a pod outside it.
+func TestReconcileFailureAfterTheRulesKeepsThePodRemovable(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	pod, sb := f.pod("plain", "late", nil), f.sandbox()
+	sb.RunAsPod(t, string(pod.UID))
+	pod = f.running(pod, sb)
+	pod.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}
+	f.probes.failAdd.Store(true)
+	if err := f.p.Reconcile(context.Background(), pod); err == nil {
+		t.Fatal("a reconcile whose probe exemption failed reported success")
+	}
+	f.probes.failAdd.Store(false)
+	if !hasRules(t, sb) {
+		t.Fatal("setup: the rules did not go in")
+	}
+	out := pod.DeepCopy()
+	out.Labels = nil
+	if err := f.p.Reconcile(context.Background(), out); err != nil {
+		t.Fatal(err)
+	}
+	if hasRules(t, sb) {
+		t.Fatal("the pod left the mesh with its rules in place: it is black-holed")
+	}
+}
+
+// Sequence 4 of issue 35: a sandbox recreated with the same IP in the same
+// second as the last check: the kubelet's whole-second transition time is
+// before the check, yet the sandbox changed, and must be found at the next
+// reconcile, not at the 5-minute sweep.
+func TestSandboxRecreatedInTheSecondOfTheLastCheckIsFound(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	pod, first := f.pod("mesh", "quick", nil), f.sandbox()
+	// The ADD early in a second, so its check and the recreation below
+	// share that second whatever this machine's speed.
+	testkit.Eventually(t, 2*time.Second, "the start of a second", func() bool { return time.Now().Nanosecond() < 100e6 })
+	second0 := time.Now().Truncate(time.Second)
+	if out, err := f.add(pod, first, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	// The old sandbox's DEL took its interface; the new one has the IP.
+	first.Exec(t, "ip", "addr", "del", first.ip.String()+"/32", "dev", "lo")
+	second := sandbox{netnstest.New(t), first.ip}
+	second.Exec(t, "ip", "addr", "add", first.ip.String()+"/32", "dev", "lo")
+	second.RunAsPod(t, string(pod.UID))
+	status := f.running(pod, first)
+	status.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReadyToStartContainers, Status: corev1.ConditionTrue,
+		LastTransitionTime: metav1.NewTime(second0)}}
+	if err := f.p.Reconcile(context.Background(), status); err != nil {
+		t.Fatal(err)
+	}
+	if !hasRules(t, second) {
+		t.Fatal("the sandbox recreated in the second of the last check runs unredirected")
+	}
+}
+
+// A pod with the readiness gate that the mesh does not take (its namespace
+// was unlabelled before it started) is let through: the gate never holds
+// back a pod outside the mesh.
+func TestGateOfAPodOutsideTheMeshIsReleased(t *testing.T) {
+	f := newFixture(t)
+	pod, sb := f.pod("plain", "outside", nil), f.sandbox()
+	pod = f.gated(f.running(pod, sb))
+	if err := f.p.Reconcile(context.Background(), pod); err != nil {
+		t.Fatal(err)
+	}
+	if c, ok := f.conds.of(pod.UID); !ok || !c.proven || c.reason != enroll.ReasonNotEnrolled {
+		t.Fatalf("condition of a gated pod outside the mesh = %+v (%v); want True/%s", c, ok, enroll.ReasonNotEnrolled)
+	}
+}
+
+// The node's probe exemptions are made exactly the enrolled pods' IPs.
+func TestVerifierMakesProbeExemptionsTheEnrolledIPs(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	_, sb := f.enrolledRunning("probed")
+	stray := netip.MustParseAddr("198.51.100.250")
+	if err := f.probes.Add(stray); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.probes.Remove(sb.ip); err != nil {
+		t.Fatal(err)
+	}
+	if v := f.verifyAll(); v.Repaired[enroll.RepairProbes] != 2 {
+		t.Fatalf("verification = %+v; want two probe exemptions repaired", v)
+	}
+	if f.exempted(stray) || !f.exempted(sb.ip) {
+		t.Fatalf("exemptions after the verification: stray %v, enrolled %v", f.exempted(stray), f.exempted(sb.ip))
+	}
+}
+
+func countOf(s []string, v string) int {
+	n := 0
+	for _, x := range s {
+		if x == v {
+			n++
+		}
+	}
+	return n
+}
+
+// labelNamespace labels the namespace into the mesh, or takes the label
+// off, in the cache.
+func (f *fixture) labelNamespace(name string, ambient bool) {
+	f.cache.mu.Lock()
+	defer f.cache.mu.Unlock()
+	ns := f.cache.namespaces[name].DeepCopy()
+	ns.Labels = nil
+	if ambient {
+		ns.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}
+	}
+	f.cache.namespaces[name] = ns
+}
