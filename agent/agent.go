@@ -128,6 +128,18 @@ type Config struct {
 	// NodeCondition configures the node-condition gate; its Client,
 	// NodeName, Observer and Logger are filled in by the agent.
 	NodeCondition nodecondition.Config
+
+	// VerifyPeriod is how often every enrolled pod is re-proven (default
+	// DefaultVerifyPeriod); events that may break a pod's redirection ask
+	// for a round sooner. ZtunnelGrace is how long ztunnel may be away
+	// before the verifier takes every pod for unproven (default
+	// DefaultZtunnelGrace).
+	VerifyPeriod time.Duration
+	ZtunnelGrace time.Duration
+	// PodConditions, when set, converges each enrolled pod's
+	// inpod.dev/redirected condition (the readiness gate the admission
+	// policy adds); nil: none is written.
+	PodConditions enroll.Conditions
 }
 
 // Agent is a running node agent.
@@ -302,6 +314,11 @@ type pieces struct {
 	// records is the node-local record of pods with rules.
 	records *enrolledrecord.Dir
 
+	// verifier re-proves the enrolled pods; presence is what it may
+	// conclude from ztunnel's state.
+	verifier *verifier
+	presence *ztunnelPresence
+
 	// stopZDS ends the ZDS server, which outlives the other pieces;
 	// zdsDone is closed once it has stopped (nil: never started).
 	stopZDS context.CancelFunc
@@ -360,6 +377,8 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	if p.records, err = enrolledrecord.Open(filepath.Join(filepath.Dir(cfg.CNISocket), enrolledRecordDir)); err != nil {
 		return nil, err
 	}
+	p.presence = newZtunnelPresence(cfg.ZtunnelGrace)
+	p.verifier = newVerifier(cfg.VerifyPeriod, func(ctx context.Context) { p.pipeline.VerifyAll(ctx, p.pods.cachedPod) }, p.activity)
 	p.pipeline = enroll.New(enroll.Config{
 		Records:     p.records,
 		Policy:      policy,
@@ -372,6 +391,13 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		Events:      observe.NewEvents(ctx, p.client, cfg.NodeName),
 		Observer:    a.Metrics,
 		Logger:      a.log,
+
+		Listeners:      newZtunnelListeners(cfg.DNSCapture),
+		Acks:           ztunnelRef{&p.zds},
+		Conditions:     cfg.PodConditions,
+		VerifyObserver: a.Metrics,
+		Presence:       p.presence.presence,
+		VerifySoon:     p.verifier.trigger,
 	})
 	a.pipeline = p.pipeline
 	a.Metrics.TrackEnrolled(func() int { return len(p.pipeline.Enrolled()) })
@@ -379,6 +405,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		return nil, err
 	}
 	p.activity.Handler = p.pipeline
+	p.activity.OnChange = p.verifier.trigger
 	if p.cni, err = cniserver.New(cniserver.Config{SocketPath: cfg.CNISocket, Handler: p.activity, Logger: a.log}); err != nil {
 		return nil, err
 	}
@@ -435,6 +462,9 @@ func (a *Agent) newInstaller(p *pieces) (*cniinstall.Installer, error) {
 			// The first install at start is not one.
 			if ok && cniWasInstalled {
 				a.Metrics.CNIRepaired()
+				// Pods started while inpod was out of the chain run
+				// unredirected until found.
+				p.verifier.trigger()
 			}
 			cniWasInstalled = cniWasInstalled || ok
 			a.Ready.Set(readiness.CNIInstalled, ok, reason)
@@ -559,7 +589,8 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, fun
 			fail(fmt.Errorf("zds server: %w", err))
 		}
 	}()
-	run("zds readiness", func(ctx context.Context) error { a.followZtunnel(ctx, p.zds); return nil })
+	run("zds readiness", func(ctx context.Context) error { a.followZtunnel(ctx, p); return nil })
+	run("verifier", func(ctx context.Context) error { p.verifier.run(ctx); return nil })
 	run("sandbox check", func(ctx context.Context) error {
 		checkSandboxes(ctx, sandboxCheckInterval, p.pipeline.Enrolled, p.queue)
 		return nil
@@ -578,8 +609,8 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, fun
 }
 
 // followZtunnel turns the ZDS server's state into the readiness condition.
-func (a *Agent) followZtunnel(ctx context.Context, s *zds.Server) {
-	states, stop := s.Subscribe()
+func (a *Agent) followZtunnel(ctx context.Context, p *pieces) {
+	states, stop := p.zds.Subscribe()
 	defer stop()
 	for {
 		select {
@@ -592,6 +623,11 @@ func (a *Agent) followZtunnel(ctx context.Context, s *zds.Server) {
 				reason = fmt.Sprintf("no ztunnel has acknowledged a snapshot (%d connections)", st.Connections)
 			}
 			a.Ready.Set(readiness.ZtunnelConnected, st.Ready, reason)
+			if p.presence.observe(st) {
+				// A ztunnel that (re)connected got a snapshot;
+				// whether each pod's proxy is up is for the verifier.
+				p.verifier.trigger()
+			}
 		}
 	}
 }
@@ -738,6 +774,7 @@ type ztunnelRef struct{ s **zds.Server }
 
 func (z ztunnelRef) Add(ctx context.Context, w zds.Workload) error { return (*z.s).Add(ctx, w) }
 func (z ztunnelRef) Del(ctx context.Context, uid string) error     { return (*z.s).Del(ctx, uid) }
+func (z ztunnelRef) Acked(uid string) bool                         { return (*z.s).Acked(uid) }
 
 // otherBackends are cleaned out of pods when another backend is in use.
 func otherBackends(inUse string) []redirect.Backend {

@@ -66,6 +66,8 @@ var keptPodAnnotations = []string{enroll.RedirectionAnnotation, enroll.MirrorAnn
 //     the pod IPs, and the PodReadyToStartContainers condition (a new
 //     sandbox; see enroll's sandboxMayHaveChanged); events on the pod need
 //     its name, namespace, UID and resourceVersion;
+//   - the verifier (enroll/verify.go): whether the pod's readiness gates
+//     include inpod.dev/redirected, and that condition's status;
 //   - the uninstall check (removal.go): spec.nodeName, deletionTimestamp,
 //     the controlling owner reference, labels, status.phase.
 //
@@ -98,8 +100,13 @@ func trimPod(obj any) (any, error) {
 		out.OwnerReferences = []metav1.OwnerReference{*ref}
 	}
 	for _, c := range pod.Status.Conditions {
-		if c.Type == corev1.PodReadyToStartContainers {
-			out.Status.Conditions = []corev1.PodCondition{{Type: c.Type, Status: c.Status, LastTransitionTime: c.LastTransitionTime}}
+		if c.Type == corev1.PodReadyToStartContainers || c.Type == enroll.RedirectedCondition {
+			out.Status.Conditions = append(out.Status.Conditions, corev1.PodCondition{Type: c.Type, Status: c.Status, LastTransitionTime: c.LastTransitionTime})
+		}
+	}
+	for _, g := range pod.Spec.ReadinessGates {
+		if g.ConditionType == enroll.RedirectedCondition {
+			out.Spec.ReadinessGates = []corev1.PodReadinessGate{g}
 		}
 	}
 	return out, nil

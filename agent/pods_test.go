@@ -30,6 +30,8 @@ type podRead struct {
 	PodIPs                                []corev1.PodIP
 	SandboxReady                          []corev1.PodCondition
 	EventRef                              *corev1.ObjectReference
+	Gated                                 bool
+	Redirected                            []corev1.PodCondition
 }
 
 func readOf(t *testing.T, p *corev1.Pod) podRead {
@@ -38,17 +40,21 @@ func readOf(t *testing.T, p *corev1.Pod) podRead {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var sandboxReady []corev1.PodCondition
+	var sandboxReady, redirected []corev1.PodCondition
 	for _, c := range p.Status.Conditions {
 		if c.Type == corev1.PodReadyToStartContainers {
 			sandboxReady = append(sandboxReady, corev1.PodCondition{Type: c.Type, Status: c.Status, LastTransitionTime: c.LastTransitionTime})
+		}
+		if c.Type == enroll.RedirectedCondition {
+			redirected = append(redirected, corev1.PodCondition{Type: c.Type, Status: c.Status})
 		}
 	}
 	return podRead{Name: p.Name, Namespace: p.Namespace, UID: string(p.UID), ResourceVersion: p.ResourceVersion, Labels: p.Labels,
 		Redirection: p.Annotations[enroll.RedirectionAnnotation], Mirror: p.Annotations[enroll.MirrorAnnotation], SandboxUID: enroll.SandboxUID(p),
 		Deleting: p.DeletionTimestamp != nil, Controller: metav1.GetControllerOf(p), NodeName: p.Spec.NodeName,
 		ServiceAccount: p.Spec.ServiceAccountName, HostNetwork: p.Spec.HostNetwork, Phase: p.Status.Phase, PodIP: p.Status.PodIP,
-		PodIPs: p.Status.PodIPs, SandboxReady: sandboxReady, EventRef: ref}
+		PodIPs: p.Status.PodIPs, SandboxReady: sandboxReady, EventRef: ref,
+		Gated: enroll.HasRedirectedGate(p), Redirected: redirected}
 }
 
 // A pod as the API server sends it: managedFields, a big last-applied
@@ -112,6 +118,14 @@ func TestTrimPodKeepsWhatTheAgentReads(t *testing.T) {
 		"pending, no IPs":    fullPod(func(p *corev1.Pod) { p.Status = corev1.PodStatus{Phase: corev1.PodPending} }),
 		"only the old PodIP": fullPod(func(p *corev1.Pod) { p.Status.PodIPs = nil }),
 		"sandbox not ready":  fullPod(func(p *corev1.Pod) { p.Status.Conditions[1].Status = corev1.ConditionFalse }),
+		"gated, proven": fullPod(func(p *corev1.Pod) {
+			p.Spec.ReadinessGates = []corev1.PodReadinessGate{{ConditionType: "example.com/other"}, {ConditionType: enroll.RedirectedCondition}}
+			p.Status.Conditions = append(p.Status.Conditions, corev1.PodCondition{Type: enroll.RedirectedCondition, Status: corev1.ConditionTrue,
+				Reason: enroll.ReasonRedirected, Message: "long text the agent never reads", LastProbeTime: metav1.Now()})
+		}),
+		"other gate only": fullPod(func(p *corev1.Pod) {
+			p.Spec.ReadinessGates = []corev1.PodReadinessGate{{ConditionType: "example.com/other"}}
+		}),
 		"agent pod": fullPod(func(p *corev1.Pod) {
 			p.Labels = labels.Set{"app.kubernetes.io/name": "inpod", "app.kubernetes.io/component": "agent"}
 		}),
@@ -156,7 +170,7 @@ func TestTrimPodKeepsWhatTheAgentReads(t *testing.T) {
 			}
 		}
 		if len(trimmed.ManagedFields) > 0 || len(trimmed.Spec.Containers) > 0 || len(trimmed.Spec.Volumes) > 0 ||
-			len(trimmed.Status.ContainerStatuses) > 0 || len(trimmed.Finalizers) > 0 || len(trimmed.Annotations) > 2 || len(trimmed.Status.Conditions) > 1 {
+			len(trimmed.Status.ContainerStatuses) > 0 || len(trimmed.Finalizers) > 0 || len(trimmed.Annotations) > 2 || len(trimmed.Status.Conditions) > 2 || len(trimmed.Spec.ReadinessGates) > 1 {
 			t.Errorf("%s: the trimmed pod keeps what the agent never reads: %+v", name, trimmed)
 		}
 		again, _ := trimPod(trimmed)

@@ -41,6 +41,10 @@ type Metrics struct {
 	sliceLatency      prometheus.Histogram
 	prepareRefusals   prometheus.Counter
 	startupReleased   prometheus.Gauge
+	verifications     prometheus.Counter
+	verifyLatency     prometheus.Histogram
+	repairs           *prometheus.CounterVec
+	unproven          prometheus.Gauge
 
 	mu        sync.Mutex
 	published bool
@@ -94,13 +98,35 @@ func NewMetrics() *Metrics {
 			Help: "Claims the DRA gate refused to prepare because the node was not ready."}),
 		startupReleased: prometheus.NewGauge(prometheus.GaugeOpts{Name: "inpod_startup_memory_released_bytes",
 			Help: "Page cache of the agent's binary it dropped once ready and quiet (--release-startup-memory); 0 until then."}),
+		verifications: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_verifications_total",
+			Help: "Rounds of the verifier, each re-proving every enrolled pod."}),
+		verifyLatency: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "inpod_verification_duration_seconds",
+			Help:    "How long one round of the verifier took (all enrolled pods and the probe exemptions).",
+			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10}}),
+		repairs: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_redirection_repairs_total",
+			Help: "Losses of redirection the verifier found and repaired, by kind (sandbox, rules, ztunnel, listeners, probe-exemption)."}, []string{"kind"}),
+		unproven: prometheus.NewGauge(prometheus.GaugeOpts{Name: "inpod_pods_unproven",
+			Help: "Enrolled pods whose redirection the last verification could not prove (their inpod.dev/redirected condition is False)."}),
 	}
+	r.MustRegister(m.verifications, m.verifyLatency, m.repairs, m.unproven)
 	r.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "inpod_enrolled_pods",
 		Help: "Pods the agent holds as enrolled (or held for a restore) now; a soak compares it with the pods that exist."}, m.trackedPods))
 	r.MustRegister(m.startupReleased, m.slicePublishes, m.sliceTaintChanges, m.sliceLatency, m.prepareRefusals, m.gateRegistrations, m.gateHealthFlips, m.conditionWrites, m.conditionFailures, m.enrollments, m.failures, m.removals, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
+
+// Verified implements enroll.VerifyObserver.
+func (m *Metrics) Verified(took time.Duration) {
+	m.verifications.Inc()
+	m.verifyLatency.Observe(took.Seconds())
+}
+
+// Repaired implements enroll.VerifyObserver.
+func (m *Metrics) Repaired(kind string) { m.repairs.WithLabelValues(kind).Inc() }
+
+// Unproven implements enroll.VerifyObserver.
+func (m *Metrics) Unproven(n int) { m.unproven.Set(float64(n)) }
 
 // TrackEnrolled makes inpod_enrolled_pods read n.
 func (m *Metrics) TrackEnrolled(n func() int) {
