@@ -77,6 +77,11 @@ func (v *verifier) run(ctx context.Context) {
 				return
 			}
 		}
+		// This round covers every ask made before it starts.
+		select {
+		case <-v.soon:
+		default:
+		}
 		v.round(ctx)
 		last = time.Now()
 		timer.Stop()
