@@ -5,7 +5,10 @@ package deploy_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -20,6 +23,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
+	"github.com/inpod-dev/inpod/agent/podcondition"
 	"github.com/inpod-dev/inpod/internal/requestcases"
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
@@ -38,9 +42,11 @@ func kinds(objs []*unstructured.Unstructured, want ...string) []*unstructured.Un
 }
 
 // TestIntegrationResourceRequestPolicy creates the chart's
-// MutatingAdmissionPolicy on a real API server and creates pods (server-side
+// MutatingAdmissionPolicies of a default install (the resource request and
+// the readiness gate) on a real API server and creates pods (server-side
 // dry run: admission runs, nothing is stored): every pod the enrollment
-// rules enroll gains the request on one container; every exclusion stays
+// rules enroll gains the request on one container and the readiness gate
+// inpod.dev/redirected after its own gates; every exclusion stays
 // unchanged. The cases are requestcases', shared with the webhook's tests.
 func TestIntegrationResourceRequestPolicy(t *testing.T) {
 	a := startAPIServer(t)
@@ -49,9 +55,34 @@ func TestIntegrationResourceRequestPolicy(t *testing.T) {
 	a.checkRequestCases(t, "the policy")
 }
 
-// checkRequestCases creates requestcases' namespaces and admits each of
-// its pods (server-side dry run), once the mutation (by, for messages) is
-// seen to apply.
+// TestIntegrationReadinessGatePolicy: with a gate that advertises no
+// resource (taint mode), the readiness-gate policy is the only mutating
+// policy, and it alone decides: every pod the enrollment rules enroll gets
+// the gate, keeping its own (readinessGates is an atomic list, so a
+// replacing patch would drop them), once; no pod outside them (plain
+// namespace, label none, host network, excluded namespace, a mirror pod,
+// inpod's own) gets it, and no pod gains a request.
+func TestIntegrationReadinessGatePolicy(t *testing.T) {
+	objs := render(t, "--set", "gates={node-condition}")
+	var policies []string
+	for _, o := range kinds(objs, "MutatingAdmissionPolicy") {
+		policies = append(policies, o.GetName())
+	}
+	if !slices.Equal(policies, []string{"inpod-readiness-gate"}) {
+		t.Fatalf("policies %v, want only inpod-readiness-gate", policies)
+	}
+	a := startAPIServer(t)
+	a.create(t, false, kinds(objs, "MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding")...)
+	a.checkAdmissionCases(t, "the readiness-gate policy", false, true)
+}
+
+// checkRequestCases is checkAdmissionCases for a default install: the
+// request and the readiness gate.
+func (a *apiserver) checkRequestCases(t *testing.T, by string) {
+	t.Helper()
+	a.checkAdmissionCases(t, by, true, true)
+}
+
 // admit is what admission makes of p (a dry-run create); a refusal fails
 // the test.
 func (a *apiserver) admit(t *testing.T, p *corev1.Pod) *corev1.Pod {
@@ -63,7 +94,12 @@ func (a *apiserver) admit(t *testing.T, p *corev1.Pod) *corev1.Pod {
 	return out
 }
 
-func (a *apiserver) checkRequestCases(t *testing.T, by string) {
+// checkAdmissionCases creates requestcases' namespaces and admits each of
+// its pods (server-side dry run), once the mutation (by, for messages) is
+// seen to apply: with request, the enrolled pods gain the resource request
+// (else no pod does); with gate, the readiness gate (else no pod does).
+// inpod's own pods get neither.
+func (a *apiserver) checkAdmissionCases(t *testing.T, by string, request, gate bool) {
 	t.Helper()
 	ctx := context.Background()
 	nss := a.Client.CoreV1().Namespaces()
@@ -81,24 +117,41 @@ func (a *apiserver) checkRequestCases(t *testing.T, by string) {
 		t.Fatal(err)
 	}
 	admit := func(p *corev1.Pod) *corev1.Pod { t.Helper(); return a.admit(t, p) }
+	check := func(c requestcases.Case, got *corev1.Pod) error {
+		checkRequest, checkGate := c.CheckNotRequested, c.CheckNoReadinessGate
+		if request {
+			checkRequest = c.Check
+		}
+		if gate {
+			checkGate = c.CheckReadinessGate
+		}
+		return errors.Join(checkRequest(got), checkGate(got))
+	}
+	// The probe is enrolled: it gains whatever is on.
 	probe := requestcases.Cases()[0]
 	testkit.Eventually(t, 30*time.Second, by+" to apply", func() bool {
-		return probe.Check(admit(probe.Pod.DeepCopy())) == nil
+		return check(probe, admit(probe.Pod.DeepCopy())) == nil
 	})
 	for _, c := range requestcases.Cases() {
-		if err := c.Check(admit(c.Pod.DeepCopy())); err != nil {
-			t.Errorf("%s: pod %s/%s (want %s): %v", by, c.Pod.Namespace, c.Pod.Name, c.Want, err)
+		if err := check(c, admit(c.Pod.DeepCopy())); err != nil {
+			t.Errorf("%s: pod %s/%s (want %s, gated %t): %v", by, c.Pod.Namespace, c.Pod.Name, c.Want, c.Gated(), err)
 		}
+	}
+	// inpod's own pods, in its namespace only, get neither.
+	if got := admit(requestcases.OwnPod()); requestcases.Requested(got) || requestcases.HasReadinessGate(got) {
+		t.Errorf("%s: inpod's own pod in %s was changed: %+v", by, requestcases.Own, got.Spec)
 	}
 }
 
 // TestIntegrationNodeConfinementPolicy: with the chart's RBAC and
 // ValidatingAdmissionPolicy on a real API server, the agent of node A —
 // authenticated with a token of its ServiceAccount bound to its pod on node
-// A, exactly as the kubelet gives it — may patch the pods of node A, its own
-// Node's InPodRedirectionReady condition and node A's ResourceSlices, and
-// nothing of node B; a token of the ServiceAccount that is not bound to a
-// pod (no node name) may patch nothing.
+// A, exactly as the kubelet gives it — may patch the pods of node A (their
+// redirection annotation, and of their status only the inpod.dev/redirected
+// condition, written by the agent's podcondition.Writer), its own Node's
+// InPodRedirectionReady condition and node A's ResourceSlices, and nothing
+// of node B; a token of the ServiceAccount that is not bound to a pod (no
+// node name) may patch nothing.
 func TestIntegrationNodeConfinementPolicy(t *testing.T) {
 	a := startAPIServer(t)
 	ctx := context.Background()
@@ -192,6 +245,33 @@ func TestIntegrationNodeConfinementPolicy(t *testing.T) {
 	sliceDelete := func(c kubernetes.Interface, node string) error {
 		return c.ResourceV1().ResourceSlices().Delete(ctx, "slice-"+node, metav1.DeleteOptions{})
 	}
+	// The per-pod proof, written by the agent's own writer (its patch,
+	// the pod's UID included, exactly as the agent sends it).
+	proof := func(c kubernetes.Interface, name string, proven bool) error {
+		p, err := admin.CoreV1().Pods("default").Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		w := podcondition.New(podcondition.Config{Client: c})
+		w.Set(types.NamespacedName{Namespace: "default", Name: name}, p.UID, proven, "Redirected", "")
+		return w.Flush(ctx)
+	}
+	podStatus := func(c kubernetes.Interface, name, patch string) error {
+		_, err := c.CoreV1().Pods("default").Patch(ctx, name, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}, "status")
+		return err
+	}
+	// The kubelet's condition: Ready, which picks Service endpoints.
+	podReady := func(c kubernetes.Interface, name string) error {
+		return podStatus(c, name, `{"status":{"conditions":[{"type":"Ready","status":"True"}]}}`)
+	}
+	// Another status field: the pod's IP, which Service endpoints point to.
+	podIP := func(c kubernetes.Interface, name string) error {
+		return podStatus(c, name, `{"status":{"podIP":"192.0.2.99","podIPs":[{"ip":"192.0.2.99"}]}}`)
+	}
+	// The pod's labels, through the status subresource.
+	statusRelabel := func(c kubernetes.Interface, name string) error {
+		return podStatus(c, name, `{"metadata":{"labels":{"app":"stolen-endpoints"}}}`)
+	}
 
 	// The policy takes a few seconds to apply after it is created.
 	testkit.Eventually(t, 30*time.Second, "the policy to apply", func() bool {
@@ -219,6 +299,13 @@ func TestIntegrationNodeConfinementPolicy(t *testing.T) {
 		{"delete its node's ResourceSlice", sliceDelete(agentA, "node-a"), ""},
 		{"unbound token: annotate a pod of node A", annotate(unbound, "app-node-a"), "names no node"},
 		{"unbound token: node A's condition", condition(unbound, "node-a"), "names no node"},
+		{"the inpod.dev/redirected condition of a pod of its node", proof(agentA, "app-node-a", true), ""},
+		{"the inpod.dev/redirected condition of a pod of its node, turned False", proof(agentA, "app-node-a", false), ""},
+		{"the inpod.dev/redirected condition of a pod of node B", proof(agentA, "app-node-b", true), "only pods bound to its node"},
+		{"the Ready condition of a pod of its node", podReady(agentA, "app-node-a"), "only the inpod.dev/redirected condition"},
+		{"the IP of a pod of its node", podIP(agentA, "app-node-a"), "only the inpod.dev/redirected condition"},
+		{"the labels of a pod of its node, through its status", statusRelabel(agentA, "app-node-a"), "only the inpod.dev/redirected condition"},
+		{"unbound token: the inpod.dev/redirected condition of a pod of node A", proof(unbound, "app-node-a", true), "names no node"},
 	} {
 		switch {
 		case c.want == "" && c.err != nil:
@@ -232,6 +319,55 @@ func TestIntegrationNodeConfinementPolicy(t *testing.T) {
 	// The admin (everyone but the agent) is not confined.
 	if err := annotate(admin, "app-node-b"); err != nil {
 		t.Errorf("admin refused: %v", err)
+	}
+	// What the agent was allowed is on the pod (its last word, False),
+	// and nothing it was refused.
+	p, err := admin.CoreV1().Pods("default").Get(ctx, "app-node-a", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var conds []string
+	for _, c := range p.Status.Conditions {
+		conds = append(conds, string(c.Type)+"="+string(c.Status))
+	}
+	if !slices.Equal(conds, []string{"inpod.dev/redirected=False"}) || p.Status.PodIP != "" || p.Labels["app"] != "" {
+		t.Errorf("pod of node A: conditions %v, IP %q, labels %v; want only inpod.dev/redirected=False", conds, p.Status.PodIP, p.Labels)
+	}
+	if p, err = admin.CoreV1().Pods("default").Get(ctx, "app-node-b", metav1.GetOptions{}); err != nil || len(p.Status.Conditions) != 0 {
+		t.Errorf("pod of node B: conditions %v (%v), want none", p.Status.Conditions, err)
+	}
+}
+
+// TestIntegrationNodeConfinementCoversPodStatus: the confinement policy
+// keeps every field of a pod's status but conditions from the agent by
+// naming each (CEL cannot compare a status minus one field): a field that
+// k8s.io/api's PodStatus gained and the policy does not name would be the
+// agent's to change. The list is checked here against the Go type.
+func TestIntegrationNodeConfinementCoversPodStatus(t *testing.T) {
+	vaps := kinds(render(t), "ValidatingAdmissionPolicy")
+	var exprs []string
+	for _, v := range vaps {
+		if v.GetName() != "inpod-agent-node-confinement" {
+			continue
+		}
+		vs, _, _ := unstructured.NestedSlice(v.Object, "spec", "validations")
+		for _, x := range vs {
+			exprs = append(exprs, x.(map[string]any)["expression"].(string))
+		}
+	}
+	all := strings.Join(exprs, "\n")
+	if all == "" {
+		t.Fatal("no inpod-agent-node-confinement policy rendered")
+	}
+	st := reflect.TypeFor[corev1.PodStatus]()
+	for i := range st.NumField() {
+		name, _, _ := strings.Cut(st.Field(i).Tag.Get("json"), ",")
+		if name == "conditions" {
+			continue
+		}
+		if want := fmt.Sprintf("object.?status.?%s == oldObject.?status.?%s", name, name); !strings.Contains(all, want) {
+			t.Errorf("PodStatus.%s (%s) is not compared by the confinement policy: the agent could change it", st.Field(i).Name, name)
+		}
 	}
 }
 

@@ -27,6 +27,7 @@ func TestIntegrationChartAcceptedByAPIServer(t *testing.T) {
 		{"--set", "gates={dra}", "--set-json", "enrollment.excludedNamespaces=[]"},
 		{"--set", "gates={node-condition}", "--set", "enrollment.autoRequest.enabled=false"},
 		{"--set", "gates={none}", "--set", "enrollment.autoRequest.enabled=false"},
+		{"--set", "gates={deviceplugin}", "--set", "enrollment.readinessGate.enabled=false"},
 		{"--set", "gates={deviceplugin,node-condition}", "--set", "redirection.dnsCapture=true",
 			"--set", "agent.apiServer.host=127.0.0.1", "--set", "agent.apiServer.port=6443",
 			"--set", "enrollment.excludedNamespaces={kube-system,monitoring}", "--set", "agent.extraArgs={--log-level=debug}"},
@@ -54,6 +55,8 @@ func TestIntegrationChartAcceptedByAPIServer(t *testing.T) {
 	ca := base64.StdEncoding.EncodeToString(requestcases.WriteServingCert(t, t.TempDir(), 1))
 	webhook := []string{"--set", "enrollment.autoRequest.mode=webhook", "--set", "controller.enabled=true"}
 	a.create(t, true, render(t, append(webhook, "--set", "enrollment.autoRequest.webhook.caBundle="+ca)...)...)
+	// Taint mode: the webhook serves the readiness gate alone.
+	a.create(t, true, render(t, append(webhook, "--set", "enrollment.autoRequest.webhook.caBundle="+ca, "--set", "gates={node-condition}")...)...)
 	var noCertManager []*unstructured.Unstructured
 	for _, o := range render(t, append(webhook, "--set", "enrollment.autoRequest.webhook.certManager.enabled=true")...) {
 		if o.GroupVersionKind().Group != "cert-manager.io" {

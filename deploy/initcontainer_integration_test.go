@@ -160,15 +160,17 @@ func TestIntegrationInitContainerPolicy(t *testing.T) {
 
 // TestIntegrationInitContainerGateAlone: gate initcontainer alone renders
 // no resource request (no node advertises the resource) and runs the agent
-// with no gate of its own; enrolled pods still get the init container.
+// with no gate of its own; enrolled pods still get the init container (and
+// the readiness gate, which every gate has).
 func TestIntegrationInitContainerGateAlone(t *testing.T) {
 	objs := render(t, "--set", "gates={initcontainer}", "--set", "initContainer.image.tag=test")
 	var policies []string
 	for _, o := range kinds(objs, "MutatingAdmissionPolicy") {
 		policies = append(policies, o.GetName())
 	}
-	if !slices.Equal(policies, []string{waitReadyName}) {
-		t.Fatalf("policies %v, want only %s", policies, waitReadyName)
+	slices.Sort(policies)
+	if want := []string{"inpod-readiness-gate", waitReadyName}; !slices.Equal(policies, want) {
+		t.Fatalf("policies %v, want %v", policies, want)
 	}
 	a := startAPIServer(t)
 	a.create(t, false, kinds(objs, "MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding")...)

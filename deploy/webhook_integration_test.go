@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/base64"
 	"net"
+	"slices"
 	"strings"
 	"testing"
 
@@ -22,7 +23,7 @@ import (
 )
 
 // TestIntegrationResourceRequestWebhook is TestIntegrationResourceRequestPolicy
-// for mode=webhook: the chart's MutatingWebhookConfiguration (its rules,
+// for mode=webhook (the request and the readiness gate): the chart's MutatingWebhookConfiguration (its rules,
 // selectors, failure policy and caBundle; only the Service reference is
 // replaced by this process's address) on a real API server, calling the
 // webhook served by this test over real TLS on localhost, with the
@@ -67,12 +68,28 @@ func TestIntegrationResourceRequestWebhook(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	// The webhook as the chart's Deployment configures it: the request and
+	// the readiness gate (a default install).
+	var args []string
+	for _, d := range kinds(objs, "Deployment") {
+		if d.GetName() == "inpod-controller" {
+			cs, _, _ := unstructured.NestedSlice(d.Object, "spec", "template", "spec", "containers")
+			a, _, _ := unstructured.NestedStringSlice(cs[0].(map[string]any), "args")
+			args = a
+		}
+	}
+	for _, want := range []string{"--resource-request=true", "--readiness-gate=true"} {
+		if !slices.Contains(args, want) {
+			t.Fatalf("the controller's args %v lack %s", args, want)
+		}
+	}
 	w, err := requestwebhook.New(requestwebhook.Config{
-		Client:       client,
-		Policy:       enroll.Policy{ExcludedNamespaces: []string{requestcases.Excluded}, Label: requestcases.Label},
-		ResourceName: requestcases.ResourceName,
-		OwnNamespace: requestcases.Own,
-		CertDir:      certDir,
+		Client:        client,
+		Policy:        enroll.Policy{ExcludedNamespaces: []string{requestcases.Excluded}, Label: requestcases.Label},
+		ResourceName:  requestcases.ResourceName,
+		ReadinessGate: true,
+		OwnNamespace:  requestcases.Own,
+		CertDir:       certDir,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -126,8 +143,8 @@ func TestIntegrationResourceRequestWebhook(t *testing.T) {
 	if err != nil {
 		t.Fatalf("webhook down: an enrolled pod's creation failed: %v", err)
 	}
-	if requestcases.Requested(got) {
-		t.Error("webhook down: the pod has the request")
+	if requestcases.Requested(got) || requestcases.HasReadinessGate(got) {
+		t.Error("webhook down: the pod has the request or the readiness gate")
 	}
 	if !strings.Contains(p.Namespace, "mesh") {
 		t.Fatalf("case 0 is not an enrolled pod: %s", p.Namespace)

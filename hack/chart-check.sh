@@ -26,6 +26,8 @@ for gates in deviceplugin dra node-condition none deviceplugin,node-condition dr
     *deviceplugin*|*dra*) grep -q 'name: inpod-redirection-request$' <<<"$out" || { echo "gates=$gates: no request policy" >&2; exit 1; } ;;
     *) if grep -q 'name: inpod-redirection-request$' <<<"$out"; then echo "gates=$gates: request policy without a gate that advertises the resource" >&2; exit 1; fi ;;
   esac
+  # The readiness gate, whatever the gates.
+  grep -q 'name: inpod-readiness-gate$' <<<"$out" || { echo "gates=$gates: no readiness-gate policy" >&2; exit 1; }
   "$helm" lint --strict "$chart" "${args[@]}" >/dev/null
 done
 # An empty exclusion list renders selectors the API server accepts (no
@@ -39,7 +41,27 @@ fi
 if "$helm" template inpod "$chart" -n inpod-system -f <(printf 'agent:\n  releaseStartupMemory: null\n') | grep -q -- '--release-startup-memory'; then
   echo "values without agent.releaseStartupMemory (an older release's) render --release-startup-memory" >&2; exit 1
 fi
-echo "chart: lint and template pass for every gate value"
+# The readiness gate: off renders no policy; an older release's values
+# (helm upgrade --reuse-values), which lack the value, render none either
+# (what that release had).
+for vals in 'enrollment:\n  readinessGate: {enabled: false}\n' 'enrollment:\n  readinessGate: null\n'; do
+  if "$helm" template inpod "$chart" -n inpod-system -f <(printf "$vals") | grep -q 'inpod-readiness-gate'; then
+    echo "values $(printf "$vals" | tr '\n' ' ') render the readiness-gate policy" >&2; exit 1
+  fi
+done
+out=$("$helm" template inpod "$chart" -n inpod-system --show-only templates/admission-readiness-gate.yaml)
+for want in 'failurePolicy: Ignore' 'patchType: JSONPatch' 'path: "/spec/readinessGates/-"' 'path: "/spec/readinessGates"' \
+  "g.conditionType == 'inpod.dev/redirected'" 'name: not-host-network' 'name: not-mirror' 'name: not-inpod' \
+  'name: inpod-readiness-gate-pod-label' 'name: inpod-readiness-gate-namespace-label'; do
+  grep -qF -- "$want" <<<"$out" || { echo "readiness-gate policy lacks $want" >&2; exit 1; }
+done
+if grep -q 'patchType: ApplyConfiguration' <<<"$out"; then echo "readiness-gate policy replaces the pod's readiness gates (an atomic list)" >&2; exit 1; fi
+# The agent may patch pods/status, confined to its node's pods and to the
+# one condition.
+out=$("$helm" template inpod "$chart" -n inpod-system)
+grep -qF 'resources: [pods/status]' <<<"$out" || { echo "the agent's ClusterRole lacks pods/status" >&2; exit 1; }
+grep -qF 'resources: [pods, pods/status, nodes, nodes/status]' <<<"$out" || { echo "node confinement does not match pods/status" >&2; exit 1; }
+echo "chart: lint and template pass for every gate value; the readiness gate with every gate, off when told"
 
 # The init container (gate initcontainer): first, locked down, only into
 # enrolled pods (the request policy's bindings), refusing rather than
@@ -81,37 +103,43 @@ if grep -q 'objectSelector: {}' <<<"$binding"; then echo "node-taint policy bind
 # it after the controller), allowed to delete that one binding only; never
 # without the policy.
 hook=$(sed -n '/name: inpod-uninstall-hook/,$p' <<<"$out")
-for want in '--binding=inpod-node-startup-taint' 'kind: ClusterRole' 'resources: [mutatingadmissionpolicybindings]' 'resourceNames: ["inpod-node-startup-taint"]'; do
+for want in '--binding=inpod-node-startup-taint' 'kind: ClusterRole' 'resources: [mutatingadmissionpolicybindings]' 'resourceNames: ["inpod-node-startup-taint",'; do
   grep -qF -- "$want" <<<"$hook" || { echo "uninstall hook with the node-taint policy lacks $want" >&2; exit 1; }
 done
 out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}' --set controller.enabled=true)
-if grep -q -- '--binding\|kind: ClusterRoleBinding' <<<"$(sed -n '/name: inpod-uninstall-hook/,$p' <<<"$out")"; then
+if grep -q -- '--binding=inpod-node-startup-taint\|"inpod-node-startup-taint"' <<<"$(sed -n '/name: inpod-uninstall-hook/,$p' <<<"$out")"; then
   echo "uninstall hook deletes a node-taint binding the chart does not render" >&2; exit 1
+fi
+out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}' --set enrollment.readinessGate.enabled=false)
+if grep -q -- '--binding\|kind: ClusterRoleBinding' <<<"$(sed -n '/name: inpod-uninstall-hook/,$p' <<<"$out")"; then
+  echo "uninstall hook deletes bindings the chart does not render" >&2; exit 1
 fi
 out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}')
 if grep -q 'inpod-controller\|inpod-node-startup-taint' <<<"$out"; then
   echo "controller.enabled=false still renders inpod-controller objects" >&2; exit 1
 fi
-# Gate initcontainer: the hook deletes every binding of the init-container
-# policy first (a pod created while the agents leave would wait for good),
-# by the names the chart renders, allowed those names only.
+# Gate initcontainer and the readiness gate: the hook deletes every binding
+# of their policies first (a pod created while the agents leave would wait
+# for good, or never be Ready), by the names the chart renders, allowed
+# those names only.
 out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={deviceplugin,initcontainer}')
-names=$(awk '/^kind: MutatingAdmissionPolicyBinding/{b=1} b&&/^  name: /{print $2; b=0}' <<<"$out" | grep '^inpod-wait-ready' || true)
-[[ $(wc -l <<<"$names") == 2 ]] || { echo "gate initcontainer: want two inpod-wait-ready bindings, got: $names" >&2; exit 1; }
+names=$(awk '/^kind: MutatingAdmissionPolicyBinding/{b=1} b&&/^  name: /{print $2; b=0}' <<<"$out" | grep '^inpod-wait-ready\|^inpod-readiness-gate' || true)
+[[ $(wc -l <<<"$names") == 4 ]] || { echo "gate initcontainer: want two inpod-wait-ready and two inpod-readiness-gate bindings, got: $names" >&2; exit 1; }
 hook=$(sed -n '/name: inpod-uninstall-hook/,$p' <<<"$out")
 rn=$(grep -A1 'resources: \[mutatingadmissionpolicybindings\]' <<<"$hook" | grep resourceNames || true)
 for n in $names; do
   grep -qF -- "--binding=$n" <<<"$hook" || { echo "uninstall hook does not delete the init-container binding $n first" >&2; exit 1; }
   grep -qF "\"$n\"" <<<"$rn" || { echo "uninstall hook may not delete the init-container binding $n: $rn" >&2; exit 1; }
 done
-[[ $(grep -o '"[^"]*"' <<<"$rn" | wc -l) == 2 ]] || { echo "uninstall hook may delete more bindings than the init-container ones: $rn" >&2; exit 1; }
-echo "chart: inpod-controller renders in both modes with the node-taint policy; the uninstall hook deletes the node-taint and init-container bindings first"
+[[ $(grep -o '"[^"]*"' <<<"$rn" | wc -l) == 4 ]] || { echo "uninstall hook may delete more bindings than the init-container and readiness-gate ones: $rn" >&2; exit 1; }
+echo "chart: inpod-controller renders in both modes with the node-taint policy; the uninstall hook deletes the node-taint, init-container and readiness-gate bindings first"
 # Automatic resource requests by inpod-controller's webhook: a caBundle of
 # one's own, or cert-manager's Certificate and cainjector; never both modes.
 wh=(--set enrollment.autoRequest.mode=webhook --set controller.enabled=true)
 out=$("$helm" template inpod "$chart" -n inpod-system "${wh[@]}" --set enrollment.autoRequest.webhook.caBundle=Q0E=)
 for want in 'kind: MutatingWebhookConfiguration' 'caBundle: Q0E=' 'name: inpod-webhook' 'targetPort: webhook' 'failurePolicy: Ignore' \
-  '--webhook-addr=:9443' '--exclude-namespaces=kube-system' 'containerPort: 9443' 'secretName: inpod-webhook-tls' 'optional: true'; do
+  '--webhook-addr=:9443' '--exclude-namespaces=kube-system' 'containerPort: 9443' 'secretName: inpod-webhook-tls' 'optional: true' \
+  '--resource-request=true' '--readiness-gate=true'; do
   grep -qF -- "$want" <<<"$out" || { echo "mode=webhook: rendered manifests lack $want" >&2; exit 1; }
 done
 if grep -q 'kind: MutatingAdmissionPolicy' <<<"$out"; then echo "mode=webhook also renders the policy" >&2; exit 1; fi
@@ -124,8 +152,18 @@ if grep -q 'caBundle' <<<"$out"; then echo "mode=webhook with cert-manager also 
 "$helm" lint --strict "$chart" "${wh[@]}" --set enrollment.autoRequest.webhook.certManager.enabled=true >/dev/null
 out=$("$helm" template inpod "$chart" -n inpod-system)
 if grep -q 'MutatingWebhookConfiguration\|inpod-webhook' <<<"$out"; then echo "mode=policy renders webhook objects" >&2; exit 1; fi
+# Taint mode: no node advertises the resource, so the webhook serves the
+# readiness gate alone, or is not there at all.
 out=$("$helm" template inpod "$chart" -n inpod-system "${wh[@]}" --set enrollment.autoRequest.webhook.caBundle=Q0E= --set 'gates={node-condition}')
-if grep -q 'MutatingWebhookConfiguration\|webhook-addr' <<<"$out"; then echo "mode=webhook in taint mode renders the webhook (no node advertises the resource)" >&2; exit 1; fi
+for want in 'kind: MutatingWebhookConfiguration' '--resource-request=false' '--readiness-gate=true'; do
+  grep -qF -- "$want" <<<"$out" || { echo "mode=webhook in taint mode with the readiness gate: rendered manifests lack $want" >&2; exit 1; }
+done
+out=$("$helm" template inpod "$chart" -n inpod-system "${wh[@]}" --set enrollment.autoRequest.webhook.caBundle=Q0E= --set 'gates={node-condition}' \
+  --set enrollment.readinessGate.enabled=false)
+if grep -q 'MutatingWebhookConfiguration\|webhook-addr' <<<"$out"; then echo "mode=webhook in taint mode without the readiness gate renders the webhook (no node advertises the resource)" >&2; exit 1; fi
+out=$("$helm" template inpod "$chart" -n inpod-system "${wh[@]}" --set enrollment.autoRequest.webhook.caBundle=Q0E= --set enrollment.readinessGate.enabled=false)
+grep -qF -- '--readiness-gate=false' <<<"$out" || { echo "mode=webhook with the readiness gate off: no --readiness-gate=false" >&2; exit 1; }
+if grep -q 'inpod-readiness-gate' <<<"$out"; then echo "mode=webhook with the readiness gate off renders its policy" >&2; exit 1; fi
 echo "chart: mode=webhook renders the webhook with a caBundle or with cert-manager"
 
 refuse() { # want-in-message, helm args...
@@ -158,6 +196,8 @@ refuse "controller/grace" --set controller.enabled=true --set controller.grace=3
 refuse "controller/replicas" --set controller.enabled=true --set controller.replicas=0
 refuse "controller.nodeTaintPolicy.enabled needs node-condition" --set controller.enabled=true --set controller.nodeTaintPolicy.enabled=true
 refuse "set controller.enabled" --set enrollment.autoRequest.mode=webhook
+refuse "set controller.enabled" --set enrollment.autoRequest.mode=webhook --set enrollment.autoRequest.enabled=false
+refuse "readinessGate" --set enrollment.readinessGate.enabled=yes
 refuse "certManager.enabled" --set enrollment.autoRequest.mode=webhook --set controller.enabled=true
 refuse "caBundle" --set enrollment.autoRequest.mode=webhook --set controller.enabled=true --set 'enrollment.autoRequest.webhook.caBundle=-----BEGIN'
 refuse "timeoutSeconds" --set enrollment.autoRequest.mode=webhook --set controller.enabled=true --set enrollment.autoRequest.webhook.certManager.enabled=true --set enrollment.autoRequest.webhook.timeoutSeconds=31

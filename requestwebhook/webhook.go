@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	admissionv1 "k8s.io/api/admission/v1"
@@ -46,6 +47,13 @@ type Config struct {
 	Policy enroll.Policy
 	// ResourceName is the extended resource requested.
 	ResourceName corev1.ResourceName
+	// NoResourceRequest: enrolled pods do not get the request (no gate
+	// advertises the resource; the webhook serves the readiness gate).
+	NoResourceRequest bool
+	// ReadinessGate: enrolled pods get the readiness gate ReadinessGate,
+	// so a Service sends them traffic only once the agent has proven
+	// their redirection.
+	ReadinessGate bool
 	// OwnNamespace is inpod's namespace (the chart's release namespace):
 	// only there does the label part-of=inpod exempt a pod; elsewhere it is
 	// a user's pod, which the agent enrolls like any other.
@@ -82,7 +90,7 @@ func New(cfg Config) (*Webhook, error) {
 	inf := f.Core().V1().Namespaces()
 	w := &Webhook{
 		cfg:        cfg,
-		rules:      rules{policy: cfg.Policy, resource: cfg.ResourceName, own: cfg.OwnNamespace},
+		rules:      rules{policy: cfg.Policy, resource: cfg.ResourceName, request: !cfg.NoResourceRequest, gate: cfg.ReadinessGate, own: cfg.OwnNamespace},
 		log:        cfg.Logger.With("component", "requestwebhook"),
 		factory:    f,
 		namespaces: inf.Lister(),
@@ -188,7 +196,7 @@ func (w *Webhook) review(ctx context.Context, req *admissionv1.AdmissionRequest)
 	}
 	var pod corev1.Pod
 	if err := json.Unmarshal(req.Object.Raw, &pod); err != nil {
-		w.log.Warn("pod not decoded; admitted without the request", "namespace", req.Namespace, "err", err)
+		w.log.Warn("pod not decoded; admitted unchanged", "namespace", req.Namespace, "err", err)
 		return resp
 	}
 	// At creation the pod's namespace may only be the request's.
@@ -208,8 +216,8 @@ func (w *Webhook) review(ctx context.Context, req *admissionv1.AdmissionRequest)
 	if !decided {
 		var err error
 		if ns, err = w.namespace(ctx, pod.Namespace); err != nil {
-			log.Warn("namespace not read; admitted without the request (the CNI still fails it closed on a node that is not ready)", "err", err)
-			resp.Warnings = []string{"inpod: namespace not read, no " + string(w.cfg.ResourceName) + " request added"}
+			log.Warn("namespace not read; admitted unchanged (the CNI still fails it closed on a node that is not ready)", "err", err)
+			resp.Warnings = []string{"inpod: namespace not read, " + w.missed(&pod)}
 			return resp
 		}
 	}
@@ -217,14 +225,28 @@ func (w *Webhook) review(ctx context.Context, req *admissionv1.AdmissionRequest)
 		return resp
 	}
 	patch, err := w.rules.patch(&pod)
-	if err != nil {
-		log.Warn("patch not built; admitted without the request", "err", err)
+	if err != nil || patch == nil {
+		if err != nil {
+			log.Warn("patch not built; admitted unchanged", "err", err)
+		}
 		return resp
 	}
 	pt := admissionv1.PatchTypeJSONPatch
 	resp.Patch, resp.PatchType = patch, &pt
-	log.Debug("request added", "container", pod.Spec.Containers[0].Name)
+	log.Debug("pod patched", "request", w.rules.wantsRequest(&pod), "container", pod.Spec.Containers[0].Name, "readinessGate", w.rules.wantsGate(&pod))
 	return resp
+}
+
+// missed says what an enrolled pod admitted unchanged goes without.
+func (w *Webhook) missed(pod *corev1.Pod) string {
+	var s []string
+	if w.rules.wantsRequest(pod) {
+		s = append(s, "no "+string(w.cfg.ResourceName)+" request added")
+	}
+	if w.rules.wantsGate(pod) {
+		s = append(s, "no readiness gate "+string(ReadinessGate)+" added")
+	}
+	return strings.Join(s, ", ")
 }
 
 // namespace reads ns from the watch, or from the API when the watch has

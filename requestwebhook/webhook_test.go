@@ -32,6 +32,12 @@ import (
 
 func newWebhook(t *testing.T, certDir string) *requestwebhook.Webhook {
 	t.Helper()
+	return newWebhookWith(t, certDir, true, true)
+}
+
+// newWebhookWith adds the request and the readiness gate as told.
+func newWebhookWith(t *testing.T, certDir string, request, gate bool) *requestwebhook.Webhook {
+	t.Helper()
 	var objs []runtime.Object
 	for _, ns := range requestcases.Namespaces() {
 		objs = append(objs, ns)
@@ -40,11 +46,13 @@ func newWebhook(t *testing.T, certDir string) *requestwebhook.Webhook {
 	requestcases.LabelExcluded(ks)
 	objs = append(objs, ks)
 	w, err := requestwebhook.New(requestwebhook.Config{
-		Client:       fake.NewClientset(objs...),
-		Policy:       enroll.Policy{ExcludedNamespaces: []string{requestcases.Excluded}, Label: requestcases.Label},
-		ResourceName: requestcases.ResourceName,
-		OwnNamespace: requestcases.Own,
-		CertDir:      certDir,
+		Client:            fake.NewClientset(objs...),
+		Policy:            enroll.Policy{ExcludedNamespaces: []string{requestcases.Excluded}, Label: requestcases.Label},
+		ResourceName:      requestcases.ResourceName,
+		NoResourceRequest: !request,
+		ReadinessGate:     gate,
+		OwnNamespace:      requestcases.Own,
+		CertDir:           certDir,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -143,21 +151,48 @@ func applyPatch(t *testing.T, doc, patch []byte) *corev1.Pod {
 	return &p
 }
 
-// The decision table the chart's MutatingAdmissionPolicy is tested with.
+// The decision table the chart's MutatingAdmissionPolicies are tested
+// with: the request and the readiness gate together (the default install),
+// and each alone (the readiness gate off; a gate that advertises no
+// resource).
 func TestDecisionTable(t *testing.T) {
-	w := newWebhook(t, "")
-	for _, c := range requestcases.Cases() {
-		got, resp := admit(t, w, c.Pod)
-		if err := c.Check(got); err != nil {
-			t.Errorf("pod %s/%s (want %s): %v", c.Pod.Namespace, c.Pod.Name, c.Want, err)
-		}
-		if c.Want != requestcases.Gains && resp.Patch != nil {
-			t.Errorf("pod %s/%s (want %s): a patch: %s", c.Pod.Namespace, c.Pod.Name, c.Want, resp.Patch)
-		}
-	}
-	// inpod's own pods, in its namespace only, never get it.
-	if got, resp := admit(t, w, requestcases.OwnPod()); requestcases.Requested(got) || resp.Patch != nil {
-		t.Errorf("inpod's own pod in %s gained the request: %s", requestcases.Own, resp.Patch)
+	for _, tc := range []struct {
+		name          string
+		request, gate bool
+	}{
+		{"request and readiness gate", true, true},
+		{"request alone", true, false},
+		{"readiness gate alone", false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newWebhookWith(t, "", tc.request, tc.gate)
+			for _, c := range requestcases.Cases() {
+				got, resp := admit(t, w, c.Pod)
+				check := c.CheckNotRequested
+				if tc.request {
+					check = c.Check
+				}
+				if err := check(got); err != nil {
+					t.Errorf("pod %s/%s (want %s): %v", c.Pod.Namespace, c.Pod.Name, c.Want, err)
+				}
+				gateCheck := c.CheckNoReadinessGate
+				if tc.gate {
+					gateCheck = c.CheckReadinessGate
+				}
+				if err := gateCheck(got); err != nil {
+					t.Errorf("pod %s/%s: %v", c.Pod.Namespace, c.Pod.Name, err)
+				}
+				// A pod that gets nothing gets no patch at all.
+				wantPatch := tc.request && c.Want == requestcases.Gains || tc.gate && c.Gated() && !requestcases.HasReadinessGate(c.Pod)
+				if !wantPatch && resp.Patch != nil {
+					t.Errorf("pod %s/%s (want %s): a patch: %s", c.Pod.Namespace, c.Pod.Name, c.Want, resp.Patch)
+				}
+			}
+			// inpod's own pods, in its namespace only, never get either.
+			if got, resp := admit(t, w, requestcases.OwnPod()); requestcases.Requested(got) || requestcases.HasReadinessGate(got) || resp.Patch != nil {
+				t.Errorf("inpod's own pod in %s was patched: %s", requestcases.Own, resp.Patch)
+			}
+		})
 	}
 }
 
@@ -169,12 +204,13 @@ func TestNeverRefuses(t *testing.T) {
 	base := requestcases.Cases()[0].Pod
 	ghost := base.DeepCopy()
 	ghost.Namespace = "no-such-namespace"
-	if got, resp := admit(t, w, ghost); requestcases.Requested(got) || len(resp.Warnings) == 0 {
-		t.Errorf("namespace not readable: requested %t, warnings %v; want admitted unchanged with a warning", requestcases.Requested(got), resp.Warnings)
+	if got, resp := admit(t, w, ghost); requestcases.Requested(got) || requestcases.HasReadinessGate(got) || len(resp.Warnings) == 0 {
+		t.Errorf("namespace not readable: requested %t, gated %t, warnings %v; want admitted unchanged with a warning",
+			requestcases.Requested(got), requestcases.HasReadinessGate(got), resp.Warnings)
 	}
 	noContainers := base.DeepCopy()
 	noContainers.Spec.Containers = nil
-	if got, _ := admit(t, w, noContainers); requestcases.Requested(got) {
+	if got, _ := admit(t, w, noContainers); requestcases.Requested(got) || requestcases.HasReadinessGate(got) {
 		t.Error("a pod without containers was patched")
 	}
 

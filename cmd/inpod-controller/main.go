@@ -3,8 +3,9 @@
 // Node condition InPodRedirectionReady) and its agent pod is Ready, and in
 // continuous mode puts it back while the node is not. See package
 // taintcontroller. With --webhook-addr it also serves the mutating admission
-// webhook that adds the resource request to enrolled pods, on every
-// replica; see package requestwebhook.
+// webhook that adds the resource request (and, with --readiness-gate, the
+// readiness gate inpod.dev/redirected) to enrolled pods, on every replica;
+// see package requestwebhook.
 package main
 
 import (
@@ -43,6 +44,7 @@ type options struct {
 	burst                             *int
 	webhook                           requestwebhook.Config
 	excludeNamespaces, resourceName   *string
+	resourceRequest                   *bool
 }
 
 func define(fs *flag.FlagSet) *options {
@@ -71,6 +73,8 @@ func define(fs *flag.FlagSet) *options {
 	fs.StringVar(&wh.Addr, "webhook-addr", "", "HTTPS address of the mutating admission webhook that adds the resource request to the pods the enrollment rules enroll, served by every replica (path "+requestwebhook.Path+"; empty: no webhook)")
 	fs.StringVar(&wh.CertDir, "webhook-cert-dir", "/etc/inpod/webhook-certs", "directory of the webhook's serving certificate and key ("+requestwebhook.CertFile+", "+requestwebhook.KeyFile+": a kubernetes.io/tls Secret mounted there), read again when they change")
 	o.resourceName = fs.String("resource-name", requestwebhook.DefaultResourceName, "webhook: the extended resource enrolled pods request (the agent's --resource-name)")
+	o.resourceRequest = fs.Bool("resource-request", true, "webhook: add the resource request to enrolled pods (false with a gate that advertises no resource, where a request would hold every enrolled pod Pending)")
+	fs.BoolVar(&wh.ReadinessGate, "readiness-gate", false, "webhook: add the readiness gate "+string(requestwebhook.ReadinessGate)+" to enrolled pods, so a Service sends them traffic only once the agent has proven their redirection (the agent sets that condition)")
 	fs.StringVar(&wh.Policy.Label, "enrollment-label", enroll.DataplaneModeLabel, "webhook: pod and namespace label whose value ambient enrolls and none opts out (the agent's --enrollment-label)")
 	o.excludeNamespaces = fs.String("exclude-namespaces", "kube-system", "webhook: comma-separated namespaces never enrolled (the agent's --exclude-namespaces)")
 	fs.StringVar(&wh.OwnNamespace, "own-namespace", taintcontroller.DefaultNamespace, "webhook: inpod's namespace, the only one where the label app.kubernetes.io/part-of=inpod exempts a pod from the request")
@@ -129,6 +133,7 @@ func run() error {
 	wcfg := o.webhook
 	wcfg.Client, wcfg.Logger = cfg.Client, cfg.Logger
 	wcfg.ResourceName = corev1.ResourceName(*o.resourceName)
+	wcfg.NoResourceRequest = !*o.resourceRequest
 	for _, ns := range strings.Split(*o.excludeNamespaces, ",") {
 		if ns = strings.TrimSpace(ns); ns != "" {
 			wcfg.Policy.ExcludedNamespaces = append(wcfg.Policy.ExcludedNamespaces, ns)

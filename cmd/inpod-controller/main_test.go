@@ -127,3 +127,28 @@ func TestWebhookWithoutCertificateKeepsControllerRunning(t *testing.T) {
 		t.Fatal("the taint controller stopped")
 	}
 }
+
+// The webhook's readiness gate and request switches, as the chart passes
+// them, and from their INPOD_ variables.
+func TestWebhookSwitches(t *testing.T) {
+	parse := func(args ...string) *options {
+		t.Helper()
+		fs := flag.NewFlagSet("inpod-controller", flag.ContinueOnError)
+		o := define(fs)
+		if err := envflag.Parse(fs, "test", args); err != nil {
+			t.Fatal(err)
+		}
+		return o
+	}
+	if o := parse(); o.webhook.ReadinessGate || !*o.resourceRequest {
+		t.Errorf("defaults: readiness gate %t, request %t; want off, on (the binary alone behaves as before)", o.webhook.ReadinessGate, *o.resourceRequest)
+	}
+	if o := parse("--readiness-gate=true", "--resource-request=false"); !o.webhook.ReadinessGate || *o.resourceRequest {
+		t.Errorf("flags: readiness gate %t, request %t", o.webhook.ReadinessGate, *o.resourceRequest)
+	}
+	t.Setenv("INPOD_READINESS_GATE", "true")
+	t.Setenv("INPOD_RESOURCE_REQUEST", "false")
+	if o := parse(); !o.webhook.ReadinessGate || *o.resourceRequest {
+		t.Errorf("INPOD_READINESS_GATE, INPOD_RESOURCE_REQUEST: readiness gate %t, request %t", o.webhook.ReadinessGate, *o.resourceRequest)
+	}
+}

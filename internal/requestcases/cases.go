@@ -1,24 +1,32 @@
-// Package requestcases is the one table of cases for the automatic
-// resource request, shared by the tests of its two implementations: the
-// chart's MutatingAdmissionPolicy (deploy/) and inpod-controller's webhook
-// (requestwebhook/); the init-container policy's test uses it too
-// (Enrolled). Both must decide exactly as the agent enrolls
-// (agent/enroll Policy). Only tests import it.
+// Package requestcases is the one table of cases for what admission adds to
+// enrolled pods, the automatic resource request and the readiness gate
+// inpod.dev/redirected, shared by the tests of their two implementations:
+// the chart's MutatingAdmissionPolicies (deploy/) and inpod-controller's
+// webhook (requestwebhook/); the init-container policy's test uses it too
+// (Gated). Both must decide exactly as the agent enrolls (agent/enroll
+// Policy). Only tests import it.
 package requestcases
 
 import (
 	"fmt"
+	"slices"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
-// ResourceName and Label are the chart's defaults.
+// ResourceName and Label are the chart's defaults; ReadinessGate is the
+// condition type of the readiness gate (DESIGN.md, "per-pod proof").
 const (
-	ResourceName = corev1.ResourceName("inpod.dev/redirection")
-	Label        = "istio.io/dataplane-mode"
+	ResourceName  = corev1.ResourceName("inpod.dev/redirection")
+	Label         = "istio.io/dataplane-mode"
+	ReadinessGate = corev1.PodConditionType("inpod.dev/redirected")
 )
+
+// OtherGate is a readiness gate of someone else's (a load balancer
+// controller's, say), which admission must keep.
+const OtherGate = corev1.PodConditionType("example.com/lb-registered")
 
 // Want is what admission must do to a pod.
 type Want int
@@ -143,6 +151,20 @@ func Cases() []Case {
 		// A sidecar (restartable init container) that already requests it:
 		// the pod asks for it once, not twice ("unchanged": no regular
 		// container gains it).
+		// Readiness gates of their own: readinessGates is an atomic list,
+		// so an addition that replaced it would drop the other gate (and
+		// with it what the pod's owner waits for). Ours comes after.
+		{pod("mesh", "other-readiness-gate", nil, func(p *corev1.Pod) {
+			p.Spec.ReadinessGates = []corev1.PodReadinessGate{{ConditionType: OtherGate}}
+		}), Gains},
+		// Ours already (created from an admitted pod's spec): not twice.
+		{pod("plain", "readiness-gate-already", ambient, func(p *corev1.Pod) {
+			p.Spec.ReadinessGates = []corev1.PodReadinessGate{{ConditionType: OtherGate}, {ConditionType: ReadinessGate}}
+		}), Gains},
+		// Outside the mesh, its own gate stays and is alone.
+		{pod("plain", "unlabelled-other-readiness-gate", nil, func(p *corev1.Pod) {
+			p.Spec.ReadinessGates = []corev1.PodReadinessGate{{ConditionType: OtherGate}}
+		}), Unchanged},
 		{pod("mesh", "already-sidecar", nil, func(p *corev1.Pod) {
 			always := corev1.ContainerRestartPolicyAlways
 			p.Spec.InitContainers = []corev1.Container{{Name: "mesh-sidecar", Image: "sidecar", RestartPolicy: &always,
@@ -173,7 +195,7 @@ func (c Case) Enrolled() bool {
 }
 
 // Gated says whether admission gives the pod inpod-wait-ready (gate
-// initcontainer): enrolled, and not AgentOnly.
+// initcontainer) and the readiness gate: enrolled, and not AgentOnly.
 func (c Case) Gated() bool { return c.Enrolled() && !c.AgentOnly() }
 
 // requests counts the containers requesting the resource, and says whether
@@ -232,6 +254,54 @@ func (c Case) Check(got *corev1.Pod) error {
 		if _, has := got.Spec.Containers[0].Resources.Limits[ResourceName]; has {
 			return fmt.Errorf("already requesting on its second container: the first gained it too")
 		}
+	}
+	return nil
+}
+
+// gateTypes lists the condition types of p's readiness gates, in order.
+func gateTypes(p *corev1.Pod) []corev1.PodConditionType {
+	var out []corev1.PodConditionType
+	for _, g := range p.Spec.ReadinessGates {
+		out = append(out, g.ConditionType)
+	}
+	return out
+}
+
+// HasReadinessGate reports whether p waits for ReadinessGate.
+func HasReadinessGate(p *corev1.Pod) bool { return slices.Contains(gateTypes(p), ReadinessGate) }
+
+// CheckReadinessGate compares the admitted pod's readiness gates with what
+// admission must make of the case's pod, with the readiness gate on: a
+// Gated pod keeps its own gates, in order, and has ReadinessGate once
+// (last, when admission added it); any other pod keeps exactly its own.
+func (c Case) CheckReadinessGate(got *corev1.Pod) error {
+	own, have := gateTypes(c.Pod), gateTypes(got)
+	want := own
+	if c.Gated() && !slices.Contains(own, ReadinessGate) {
+		want = append(slices.Clone(own), ReadinessGate)
+	}
+	if !slices.Equal(have, want) {
+		return fmt.Errorf("readiness gates %v, want %v (gated: %t)", have, want, c.Gated())
+	}
+	return nil
+}
+
+// CheckNoReadinessGate: with the readiness gate off, every pod keeps
+// exactly its own readiness gates.
+func (c Case) CheckNoReadinessGate(got *corev1.Pod) error {
+	if own, have := gateTypes(c.Pod), gateTypes(got); !slices.Equal(have, own) {
+		return fmt.Errorf("readiness gates %v, want its own %v", have, own)
+	}
+	return nil
+}
+
+// CheckNotRequested: with the resource request off (no gate that
+// advertises the resource), no pod gains it; a pod's own request stays.
+func (c Case) CheckNotRequested(got *corev1.Pod) error {
+	n, _ := requests(got)
+	own, _ := requests(c.Pod)
+	if n != own {
+		return fmt.Errorf("%d containers request %s, the pod had %d", n, ResourceName, own)
 	}
 	return nil
 }

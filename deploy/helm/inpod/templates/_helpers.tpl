@@ -132,6 +132,33 @@ spec:
       {{- end }}
 {{- end }}
 
+{{/* The pod condition the agent sets True once a pod's redirection is
+proven, and the readiness gate of enrolled pods (DESIGN.md, "per-pod
+proof"). */}}
+{{- define "inpod.readinessGateCondition" -}}
+inpod.dev/redirected
+{{- end }}
+
+{{/* "true" when enrolled pods get the readiness gate, else "". A release
+installed before the value existed (helm upgrade --reuse-values keeps its
+values) does not get it: that is what it had. */}}
+{{- define "inpod.readinessGate" -}}
+{{- if dig "readinessGate" "enabled" false .Values.enrollment }}true{{ end }}
+{{- end }}
+
+{{/* "true" when enrolled pods get the resource request: only with a gate
+that advertises the resource (otherwise, taint mode, every enrolled pod
+would wait for a resource no node offers). */}}
+{{- define "inpod.autoRequest" -}}
+{{- if and .Values.enrollment.autoRequest.enabled (or (has "deviceplugin" .Values.gates) (has "dra" .Values.gates)) }}true{{ end }}
+{{- end }}
+
+{{/* "true" when inpod-controller's webhook serves admission (mode=webhook):
+for the request, the readiness gate, or both. */}}
+{{- define "inpod.webhook" -}}
+{{- if and (eq .Values.enrollment.autoRequest.mode "webhook") (or (include "inpod.autoRequest" .) (include "inpod.readinessGate" .)) }}true{{ end }}
+{{- end }}
+
 {{- define "inpod.waitReadyImage" -}}
 {{ .Values.initContainer.image.repository }}:{{ .Values.initContainer.image.tag | default .Chart.AppVersion }}
 {{- end }}
