@@ -146,6 +146,7 @@ bench: deps ## every benchmark; one report of every figure next to its floor, in
 	$(BENCH) -bench . -benchtime 2000x ./zds/
 	$(BENCH) -bench . -benchtime 200x ./agent/redirect/
 	$(BENCH) -bench . -benchtime 200x ./agent/podnetns/
+	$(BENCH) -bench VerifyAll -benchtime 3x ./agent/enroll/
 	INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh) $(BENCH) -bench . -benchtime 100x ./plugin/
 	$(BENCH) -bench . -benchtime 200x ./deviceplugin/
 	$(K8S_ENV) $(BENCH) -tags integration -bench DRAGateFlip -benchtime 100x -timeout 10m ./dra/
