@@ -86,3 +86,14 @@ func (c *conn) noteAckLocked(req *inFlight, ack *zdspb.Ack) {
 		delete(c.acked, req.uid)
 	}
 }
+
+// Settled reports whether the newest connection has acknowledged its
+// snapshot: before that, a pod it has not acknowledged yet may simply not
+// have come up in the snapshot (a ztunnel that just connected, or the new
+// one of a rolling upgrade), which is no loss to repair.
+func (s *Server) Settled() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := len(s.conns)
+	return n > 0 && s.conns[n-1].snapshotAcked
+}

@@ -117,6 +117,9 @@ func TestAckedAsksTheNewestConnection(t *testing.T) {
 	nsFile := netnstest.New(t).Open(t)
 	srv, path := startServer(t, &source{}, nil)
 	ctx := context.Background()
+	if srv.Settled() {
+		t.Fatal("settled with no connection")
+	}
 
 	old := startStandin(t, path, nil)
 	waitState(t, srv, zds.State{Connections: 1, Ready: true})
@@ -124,6 +127,9 @@ func TestAckedAsksTheNewestConnection(t *testing.T) {
 		t.Fatal(err)
 	}
 	wantAcked(t, srv, "uid-1", true, "added on the only connection")
+	if !srv.Settled() {
+		t.Fatal("the only connection acknowledged its snapshot, yet the server is not settled")
+	}
 
 	newer, stopNewer := ztunnel.Start(t, ztunnel.Config{SocketPath: path})
 	testkit.Eventually(t, 10*time.Second, "the newer stand-in's snapshot", func() bool {
@@ -133,6 +139,9 @@ func TestAckedAsksTheNewestConnection(t *testing.T) {
 		t.Fatal("the old stand-in lost uid-1")
 	}
 	wantAcked(t, srv, "uid-1", false, "a newer connection that was never told")
+	if !srv.Settled() {
+		t.Fatal("the newer connection acknowledged its snapshot, yet the server is not settled")
+	}
 
 	if err := srv.Add(ctx, podWorkload("uid-1", nsFile)); err != nil {
 		t.Fatal(err)

@@ -196,21 +196,22 @@ func (h *HostProbes) change(ip netip.Addr, add bool) error {
 // Prune makes the sets hold exactly keep: IPs of pods that went away while
 // the agent was down lose their exemption.
 func (h *HostProbes) Prune(keep []netip.Addr) error {
-	_, _, err := h.sync(keep)
+	_, _, err := h.sync(keep, true)
 	return err
 }
 
 // Sync repairs the table (Ensure), then makes the sets hold exactly keep,
 // and says what it added and removed: the verifier's check that the
 // exemptions are the enrolled pods' current IPs and no others.
-func (h *HostProbes) Sync(keep []netip.Addr) (added, removed []netip.Addr, err error) {
+// Without removeStale it only adds what is missing.
+func (h *HostProbes) Sync(keep []netip.Addr, removeStale bool) (added, removed []netip.Addr, err error) {
 	if err := h.Ensure(); err != nil {
 		return nil, nil, err
 	}
-	return h.sync(keep)
+	return h.sync(keep, removeStale)
 }
 
-func (h *HostProbes) sync(keep []netip.Addr) (added, removed []netip.Addr, err error) {
+func (h *HostProbes) sync(keep []netip.Addr, removeStale bool) (added, removed []netip.Addr, err error) {
 	c, err := h.conn()
 	if err != nil {
 		return nil, nil, err
@@ -227,7 +228,7 @@ func (h *HostProbes) sync(keep []netip.Addr) (added, removed []netip.Addr, err e
 	for _, f := range []Family{IPv4, IPv6} {
 		var stale, missing []netip.Addr
 		for _, a := range members[f] {
-			if !slices.Contains(want[f], a) {
+			if removeStale && !slices.Contains(want[f], a) {
 				stale = append(stale, a)
 			}
 		}
