@@ -110,9 +110,11 @@ func (noRules) Remove(*os.File) (bool, error) { return true, nil }
 
 type noProbes struct{}
 
-func (noProbes) Add(netip.Addr) error                                       { return nil }
-func (noProbes) Remove(netip.Addr) error                                    { return nil }
-func (noProbes) Sync([]netip.Addr) (added, removed []netip.Addr, err error) { return nil, nil, nil }
+func (noProbes) Add(netip.Addr) error    { return nil }
+func (noProbes) Remove(netip.Addr) error { return nil }
+func (noProbes) Sync([]netip.Addr, bool) (added, removed []netip.Addr, err error) {
+	return nil, nil, nil
+}
 
 type noZtunnel struct{}
 

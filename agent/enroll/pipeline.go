@@ -35,7 +35,8 @@ type (
 		Remove(netip.Addr) error
 		// Sync makes the exemptions exactly keep (repairing the
 		// node's table first) and says what it changed.
-		Sync(keep []netip.Addr) (added, removed []netip.Addr, err error)
+		// Without removeStale it only adds.
+		Sync(keep []netip.Addr, removeStale bool) (added, removed []netip.Addr, err error)
 	}
 	// Ztunnel receives the pods (zds.Server).
 	Ztunnel interface {
@@ -118,6 +119,10 @@ type Config struct {
 	Presence func() ZtunnelPresence
 	// VerifySoon asks for a verification round soon (nil: none).
 	VerifySoon func()
+	// Generation reads a netns's nf_tables generation (redirect.Generation)
+	// so the verifier can skip reading back rules that cannot have
+	// changed; nil (iptables-legacy): every round reads them back.
+	Generation func(*os.File) (uint32, error)
 }
 
 // Pipeline is the enrolled-pod table and the operations on it. Operations
@@ -194,6 +199,14 @@ type entry struct {
 	conditionKnown bool
 	// gated: the pod's readiness waits for RedirectedCondition.
 	gated bool
+	// The verifier's memory: the netns's nf_tables generation when its
+	// rules were last proven (see checkRules), and the backoff of
+	// listener repairs that did not hold.
+	rulesGen        uint32
+	rulesGenKnown   bool
+	rulesCheckedAt  time.Time
+	listenerBackoff time.Duration
+	listenerRetryAt time.Time
 }
 
 // New returns an empty pipeline.
@@ -465,7 +478,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	p.probeMu.RUnlock()
 	published = true
 	ztunnelLoss, ztunnelDetail := "", ""
-	if loss != "" {
+	if loss == "RulesNotRepaired" {
 		// Rules that may not be in place: ztunnel gets the pod from the
 		// verifier once they are.
 	} else if err := p.cfg.Ztunnel.Add(ctx, info); err != nil {
@@ -491,13 +504,13 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 			// exemptions) is for a verification to find.
 			p.verifySoon()
 		}
-		p.dropExemptions(key, old.ips, sb.ips)
+		p.dropExemptions(pod.UID, key, old.ips, sb.ips)
 	}
 	if h := p.heldPod(pod.UID); h != nil {
 		// The previous agent exempted the IPs of the sandbox it
 		// enrolled; those this one does not have may go to a pod
 		// outside the mesh next.
-		p.dropExemptions(key, h.ips, sb.ips)
+		p.dropExemptions(pod.UID, key, h.ips, sb.ips)
 	}
 	// Enrolled with a netns now: its Add has replaced the Keep.
 	p.setHeld(pod.UID, nil)
@@ -520,9 +533,11 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 // pod's current sandbox (keep) does not have: left behind they would SNAT
 // the node's probes of the next pod given the IP, which may be outside the
 // mesh (a default-deny NetworkPolicy then fails its probes).
-func (p *Pipeline) dropExemptions(pod types.NamespacedName, ips, keep []netip.Addr) {
+func (p *Pipeline) dropExemptions(uid types.UID, pod types.NamespacedName, ips, keep []netip.Addr) {
+	owned := p.ipsOfOthers(uid)
 	for _, ip := range ips {
-		if slices.Contains(keep, ip) {
+		// Another enrolled pod may have the IP by now.
+		if slices.Contains(keep, ip) || slices.Contains(owned, ip) {
 			continue
 		}
 		if err := p.cfg.Probes.Remove(ip); err != nil {
@@ -679,6 +694,9 @@ func (p *Pipeline) Del(ctx context.Context, req *cnievent.Request) (cnievent.Out
 	}
 	if !e.names(req) {
 		p.log.Info("ignoring a DEL for a sandbox the pod is not enrolled with", "pod", e.pod, "containerID", req.ContainerID, "enrolledContainerID", e.containerID, "netns", req.Netns)
+		// Another sandbox of an enrolled pod went: whether the one
+		// enrolled is still the pod's is for a verification to say.
+		p.verifySoon()
 		return cnievent.NotEnrolled, nil
 	}
 	if err := p.unenroll(ctx, uid, e); err != nil {
@@ -829,7 +847,7 @@ func (p *Pipeline) unenroll(ctx context.Context, uid types.UID, e *entry) error 
 		// before the retry, the reconcile re-proves it instead of
 		// trusting the entry.
 		p.mu.Lock()
-		e.proven, e.loss = false, "RemovalIncomplete"
+		e.proven, e.loss = false, lossRemovalIncomplete
 		p.mu.Unlock()
 		p.setEntry(uid, e)
 		p.verifySoon()
@@ -914,6 +932,24 @@ func (p *Pipeline) PruneSafe() bool {
 		}
 	}
 	return true
+}
+
+// ipsOfOthers lists the IPs of every enrolled or held pod but uid.
+func (p *Pipeline) ipsOfOthers(uid types.UID) []netip.Addr {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []netip.Addr
+	for u, e := range p.enrolled {
+		if u != uid {
+			out = append(out, e.ips...)
+		}
+	}
+	for u, h := range p.held {
+		if u != uid {
+			out = append(out, h.ips...)
+		}
+	}
+	return out
 }
 
 // IsEnrolled reports whether the pod is in the table.
@@ -1124,7 +1160,7 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 		// Something may have broken it (a removal that failed half-way
 		// before the pod was labelled back, a failed repair): proven
 		// again, or repaired, before it is trusted.
-		p.verify(ctx, pod, e, p.presence())
+		p.verify(ctx, pod, e, p.presence(), false)
 		if e := p.entry(pod.UID); e != nil && !p.isProven(e) {
 			return fmt.Errorf("pod %s/%s: redirection not proven: %s", pod.Namespace, pod.Name, e.loss)
 		}

@@ -163,6 +163,9 @@ type fixture struct {
 	// first); srv the running pipeline's ZDS server.
 	zt  atomic.Int32
 	srv *zds.Server
+	// listeners, when set before startAgent, replaces the verifier's
+	// check of the stand-in's listeners.
+	listeners enroll.Listeners
 }
 
 func newFixture(t *testing.T) *fixture {
@@ -214,11 +217,12 @@ func (f *fixture) startAgent(restore func()) {
 		Events:      f.rec,
 		Observer:    f.rec,
 		Logger:      f.log,
-		Listeners:   standinListeners{},
+		Listeners:   f.listenersOrDefault(),
 		Acks:        ztunnelRef{s: &srv},
 		Conditions:  f.conds,
 		VerifySoon:  func() { f.verifySoon.Add(1) },
 		Presence:    func() enroll.ZtunnelPresence { return enroll.ZtunnelPresence(f.zt.Load()) },
+		Generation:  redirect.Generation,
 	})
 	t.Cleanup(f.p.Close)
 	srv, err := zds.NewServer(zds.Config{SocketPath: f.sock, Source: f.p, Logger: f.log})
@@ -247,6 +251,7 @@ type ztunnelRef struct {
 
 func (z ztunnelRef) Add(ctx context.Context, w zds.Workload) error { return (*z.s).Add(ctx, w) }
 func (z ztunnelRef) Acked(uid string) bool                         { return (*z.s).Acked(uid) }
+func (z ztunnelRef) Settled() bool                                 { return (*z.s).Settled() }
 
 func (z ztunnelRef) Del(ctx context.Context, uid string) error {
 	if z.failDel != nil && z.failDel.Load() {

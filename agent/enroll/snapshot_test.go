@@ -90,7 +90,7 @@ type snapshotNoProbes struct{}
 
 func (snapshotNoProbes) Add(netip.Addr) error    { return nil }
 func (snapshotNoProbes) Remove(netip.Addr) error { return nil }
-func (snapshotNoProbes) Sync([]netip.Addr) (added, removed []netip.Addr, err error) {
+func (snapshotNoProbes) Sync([]netip.Addr, bool) (added, removed []netip.Addr, err error) {
 	return nil, nil, nil
 }
 

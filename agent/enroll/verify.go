@@ -54,6 +54,9 @@ const (
 	// in the mesh (it left it, or its namespace was unlabelled before it
 	// started); the gate must never hold back a pod outside the mesh.
 	ReasonNotEnrolled = "NotEnrolled"
+	// lossRemovalIncomplete: a removal that failed half-way put the
+	// entry back.
+	lossRemovalIncomplete = "RemovalIncomplete"
 	// EventRepaired is the Event of a loss found and repaired.
 	EventRepaired = "RedirectionRepaired"
 	// EventFailed is the Event of a loss the verifier cannot repair.
@@ -72,6 +75,10 @@ type (
 	// acknowledged the pod (zds.Server.Acked).
 	ZtunnelAcks interface {
 		Acked(uid string) bool
+		// Settled: the newest connection has acknowledged its snapshot
+		// (before that, a pod it has not acknowledged may just not have
+		// come up yet).
+		Settled() bool
 	}
 	// Conditions converge a pod's RedirectedCondition, off the critical
 	// path (podcondition.Writer).
@@ -142,9 +149,12 @@ func (p *Pipeline) VerifyAll(ctx context.Context, pod func(types.NamespacedName)
 		if e != nil {
 			cached = pod(e.pod)
 		}
-		if cached != nil && cached.UID == uid {
+		// A pod whose removal failed half-way is the reconciler's to
+		// retry (or, labelled back, to re-prove): repaired here it would
+		// be put back into the mesh it is leaving.
+		if cached != nil && cached.UID == uid && e.loss != lossRemovalIncomplete {
 			v.Pods++
-			repairs := p.verify(ctx, cached, e, zt)
+			repairs := p.verify(ctx, cached, e, zt, true)
 			for _, r := range repairs {
 				v.Repaired[r]++
 			}
@@ -165,9 +175,17 @@ func (p *Pipeline) VerifyAll(ctx context.Context, pod func(types.NamespacedName)
 }
 
 // verify proves one enrolled pod, repairing what it can, and settles its
-// proof. The pod's lock is held. It returns the kinds repaired.
-func (p *Pipeline) verify(ctx context.Context, pod *corev1.Pod, e *entry, zt ZtunnelPresence) []string {
+// proof. The pod's lock is held. disruptive allows the one repair that
+// interrupts the pod's connections (ztunnel told to restart its proxy for
+// the pod); the reconciler, which runs on every update of the pod and
+// every retry, never does it. It returns the kinds repaired.
+func (p *Pipeline) verify(ctx context.Context, pod *corev1.Pod, e *entry, zt ZtunnelPresence, disruptive bool) []string {
 	var repairs []string
+	// keep: nothing can be concluded about ztunnel now (it is
+	// reconnecting, or the newest one has not acknowledged its snapshot
+	// yet); the pod's proof stays as it was unless its sandbox or rules
+	// were lost.
+	keep := false
 	loss, detail := func() (string, string) {
 		// The sandbox.
 		if ips := podIPs(pod); p.sandboxMayHaveChanged(pod, e) || len(ips) > 0 && !p.cfg.Finder.Holds(e.netns, ips) {
@@ -183,7 +201,7 @@ func (p *Pipeline) verify(ctx context.Context, pod *corev1.Pod, e *entry, zt Ztu
 			}
 		}
 		// The rules.
-		changed, err := p.cfg.Rules.Apply(e.netns)
+		changed, err := p.checkRules(e)
 		if err != nil {
 			return "RulesNotRepaired", fmt.Sprintf("the pod's redirection rules could not be verified or re-applied: %v", err)
 		}
@@ -193,40 +211,22 @@ func (p *Pipeline) verify(ctx context.Context, pod *corev1.Pod, e *entry, zt Ztu
 		// ztunnel.
 		switch zt {
 		case ZtunnelReconnecting:
+			keep = true
 			return "", ""
 		case ZtunnelAway:
 			return "ZtunnelNotConnected", "no ztunnel is connected to proxy the pod's traffic"
 		}
 		if p.cfg.Acks != nil && !p.cfg.Acks.Acked(string(pod.UID)) {
+			if !p.cfg.Acks.Settled() {
+				keep = true
+				return "", ""
+			}
 			if err := p.cfg.Ztunnel.Add(ctx, e.info); err != nil {
 				return ztunnelReason(err), fmt.Sprintf("ztunnel does not hold the pod, and handing it over again failed: %v", err)
 			}
 			repairs = append(repairs, RepairZtunnel)
 		}
-		if p.cfg.Listeners == nil {
-			return "", ""
-		}
-		missing, err := p.cfg.Listeners.Missing(e.netns)
-		if err != nil {
-			return "ListenersUnknown", fmt.Sprintf("could not read the sockets in the pod's netns: %v", err)
-		}
-		if len(missing) == 0 {
-			return "", ""
-		}
-		// ztunnel holds the pod but its proxy is not listening there: an
-		// Add for a pod it holds changes nothing, so it forgets the pod
-		// first (the pod stays in the table and in every snapshot).
-		if err := p.cfg.Ztunnel.Del(ctx, string(pod.UID)); err != nil {
-			return ztunnelReason(err), fmt.Sprintf("ztunnel's listeners %v are missing from the pod, and ztunnel could not be asked to drop its proxy: %v", missing, err)
-		}
-		if err := p.cfg.Ztunnel.Add(ctx, e.info); err != nil {
-			return ztunnelReason(err), fmt.Sprintf("ztunnel's listeners %v were missing from the pod, and ztunnel could not be asked to start its proxy again: %v", missing, err)
-		}
-		repairs = append(repairs, RepairListeners)
-		if again, err := p.cfg.Listeners.Missing(e.netns); err != nil || len(again) > 0 {
-			return "ListenersMissing", fmt.Sprintf("ztunnel acknowledged the pod again, but its listeners %v are still missing from the pod's netns (err: %v)", again, err)
-		}
-		return "", ""
+		return p.checkListeners(ctx, e, disruptive, &repairs)
 	}()
 	if e = p.entry(pod.UID); e == nil {
 		return repairs
@@ -236,19 +236,116 @@ func (p *Pipeline) verify(ctx context.Context, pod *corev1.Pod, e *entry, zt Ztu
 			o.Repaired(r)
 		}
 	}
-	if len(repairs) > 0 {
+	if len(repairs) > 0 && loss == "" {
+		// Proven again only by a verification that finds the repair
+		// holding; a repair that did not hold is reported as the loss
+		// it left.
 		msg := "found and repaired: " + describeRepairs(repairs)
 		p.log.Warn("pod's redirection was lost and is repaired", "pod", e.pod, "uid", pod.UID, "repaired", repairs)
 		p.cfg.Events.Warn(pod, EventRepaired, msg)
-		if loss == "" {
-			// Proven again only by a verification that finds the
-			// repair holding.
-			loss, detail = "Repaired", msg+"; re-verifying"
-			p.verifySoon()
-		}
+		loss, detail = "Repaired", msg+"; re-verifying"
+		p.verifySoon()
+	}
+	if keep && loss == "" {
+		return repairs
 	}
 	p.settle(pod, e, loss, detail)
 	return repairs
+}
+
+// fullRulesCheckEvery bounds how long the verifier trusts the nf_tables
+// generation alone: it says nothing of the policy routing, nor of
+// iptables-legacy's tables.
+const fullRulesCheckEvery = time.Minute
+
+// checkRules proves the rules in the pod's netns, re-applying them when
+// they are not intact. Reading the whole set back costs a dozen netlink
+// requests (and an iptables-save per family with an iptables backend);
+// while the netns's nf_tables generation has not moved since the set was
+// last proven, no table there has changed, so that read is skipped, up to
+// fullRulesCheckEvery.
+func (p *Pipeline) checkRules(e *entry) (changed bool, err error) {
+	var gen uint32
+	genOK := false
+	if p.cfg.Generation != nil {
+		gen, err = p.cfg.Generation(e.netns)
+		genOK = err == nil
+	}
+	p.mu.Lock()
+	trusted := genOK && e.rulesGenKnown && e.rulesGen == gen && time.Since(e.rulesCheckedAt) < fullRulesCheckEvery
+	p.mu.Unlock()
+	if trusted {
+		return false, nil
+	}
+	changed, err = p.cfg.Rules.Apply(e.netns)
+	if err != nil {
+		p.mu.Lock()
+		e.rulesGenKnown = false
+		p.mu.Unlock()
+		return changed, err
+	}
+	if changed && genOK {
+		// Our own write moved it.
+		gen, err = p.cfg.Generation(e.netns)
+		genOK = err == nil
+	}
+	p.mu.Lock()
+	e.rulesGen, e.rulesGenKnown, e.rulesCheckedAt = gen, genOK, time.Now()
+	p.mu.Unlock()
+	return changed, nil
+}
+
+// Listener repairs that did not hold are retried no sooner than this,
+// doubling up to maxListenerBackoff: each one interrupts the pod's
+// connections.
+const (
+	minListenerBackoff = 30 * time.Second
+	maxListenerBackoff = 10 * time.Minute
+)
+
+// checkListeners proves ztunnel's listeners are bound in the pod. ztunnel
+// holding the pod with no listeners there means its proxy for the pod
+// failed; an Add for a pod it holds changes nothing, so (when disruptive,
+// and not within the backoff of a repair that did not hold) it is told to
+// forget the pod and then Added again. The pod stays in the table, and so
+// in every snapshot, throughout.
+func (p *Pipeline) checkListeners(ctx context.Context, e *entry, disruptive bool, repairs *[]string) (string, string) {
+	if p.cfg.Listeners == nil {
+		return "", ""
+	}
+	missing, err := p.cfg.Listeners.Missing(e.netns)
+	if err != nil {
+		return "ListenersUnknown", fmt.Sprintf("could not read the sockets in the pod's netns: %v", err)
+	}
+	if len(missing) == 0 {
+		p.mu.Lock()
+		e.listenerBackoff = 0
+		p.mu.Unlock()
+		return "", ""
+	}
+	p.mu.Lock()
+	due := time.Now().After(e.listenerRetryAt)
+	p.mu.Unlock()
+	detail := fmt.Sprintf("ztunnel holds the pod, but its listeners %v are missing from the pod's netns", missing)
+	if !disruptive || !due {
+		return "ListenersMissing", detail
+	}
+	uid := e.info.UID
+	if err := p.cfg.Ztunnel.Del(ctx, uid); err != nil {
+		return ztunnelReason(err), fmt.Sprintf("%s, and ztunnel could not be asked to drop its proxy: %v", detail, err)
+	}
+	if err := p.cfg.Ztunnel.Add(ctx, e.info); err != nil {
+		return ztunnelReason(err), fmt.Sprintf("%s, and ztunnel could not be asked to start it again: %v", detail, err)
+	}
+	if again, err := p.cfg.Listeners.Missing(e.netns); err != nil || len(again) > 0 {
+		p.mu.Lock()
+		e.listenerBackoff = min(max(2*e.listenerBackoff, minListenerBackoff), maxListenerBackoff)
+		e.listenerRetryAt = time.Now().Add(e.listenerBackoff)
+		p.mu.Unlock()
+		return "ListenersMissing", fmt.Sprintf("ztunnel restarted its proxy for the pod, but its listeners %v are still missing from the pod's netns (err: %v); next try after %s", again, err, e.listenerBackoff)
+	}
+	*repairs = append(*repairs, RepairListeners)
+	return "", ""
 }
 
 func describeRepairs(kinds []string) string {
@@ -346,17 +443,17 @@ func HasRedirectedGate(pod *corev1.Pod) bool {
 }
 
 // syncProbes makes the node's probe exemptions exactly the enrolled and
-// held pods' IPs (not while a held pod reports none: see PruneSafe). It
+// held pods' IPs (only adding, while a held pod reports none: see
+// PruneSafe). It
 // holds probeMu, so an enrollment between its exemption and its entry in
 // the table is never taken for a stale one. It returns how many exemptions
 // it added or removed.
 func (p *Pipeline) syncProbes() int {
 	p.probeMu.Lock()
 	defer p.probeMu.Unlock()
-	if !p.PruneSafe() {
-		return 0
-	}
-	added, removed, err := p.cfg.Probes.Sync(p.EnrolledIPs())
+	// While a held pod reports no IPs, the IPs its previous agent exempted
+	// are unknown: nothing is removed then, only what is missing added.
+	added, removed, err := p.cfg.Probes.Sync(p.EnrolledIPs(), p.PruneSafe())
 	if err != nil {
 		p.log.Error("could not verify the node's probe exemptions", "err", err)
 		return 0
@@ -401,6 +498,17 @@ func (p *Pipeline) releaseGate(pod *corev1.Pod) {
 		return
 	}
 	p.cfg.Conditions.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, pod.UID, true, ReasonNotEnrolled, "the pod is not in the mesh")
+}
+
+// ReleaseGates lets every gated pod that is not proven become ready: inpod
+// is being removed from the node, so none of them is in the mesh any more
+// and nobody would set their condition again.
+func (p *Pipeline) ReleaseGates(pods []*corev1.Pod) {
+	for _, pod := range pods {
+		if pod.Status.Phase != corev1.PodSucceeded && pod.Status.Phase != corev1.PodFailed {
+			p.releaseGate(pod)
+		}
+	}
 }
 
 func (p *Pipeline) isProven(e *entry) bool {

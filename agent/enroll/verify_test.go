@@ -1,11 +1,15 @@
 package enroll_test
 
 import (
+	"bytes"
 	"context"
+	"fmt"
 	"net/netip"
 	"os"
 	"slices"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -360,4 +364,183 @@ func (f *fixture) labelNamespace(name string, ambient bool) {
 		ns.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}
 	}
 	f.cache.namespaces[name] = ns
+}
+
+func (f *fixture) listenersOrDefault() enroll.Listeners {
+	if f.listeners != nil {
+		return f.listeners
+	}
+	return standinListeners{}
+}
+
+// record is a stand-in's record (Config.Record), counted by event.
+type record struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (r *record) Write(p []byte) (int, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.b.Write(p)
+}
+
+func (r *record) count(event string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return strings.Count(r.b.String(), `"event":"`+event+`"`)
+}
+
+// A removal that failed half-way (ztunnel's Del timed out) puts the entry
+// back; the pod is not labelled back. The verifier leaves it to the
+// reconciler's retry: repaired, it would be put back into the mesh it is
+// leaving, its gate held False. (Review finding.)
+func TestVerifierLeavesAPodWhoseRemovalFailedAlone(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	pod, sb := f.enrolledRunning("leaving")
+	f.failDel.Store(true)
+	f.labelNamespace("mesh", false)
+	if err := f.p.Reconcile(context.Background(), f.cached(types.NamespacedName{Namespace: "mesh", Name: pod.Name})); err == nil {
+		t.Fatal("the removal whose Del failed reported success")
+	}
+	f.failDel.Store(false)
+	f.verifyAll()
+	if hasRules(t, sb) {
+		t.Error("the verifier put the rules back into a pod whose namespace left the mesh")
+	}
+	if c, _ := f.conds.of(pod.UID); !c.proven {
+		t.Errorf("the gate of a pod leaving the mesh is held: %+v", c)
+	}
+}
+
+// While ztunnel reconnects, nothing is concluded about it: a pod found
+// unproven (ztunnel rejected it) stays so, and is not proven by a round
+// that could not ask ztunnel. (Review finding.)
+func TestVerifierConcludesNothingWhileZtunnelReconnects(t *testing.T) {
+	f := newFixture(t)
+	var reject atomic.Bool
+	_, stop := f.standin(ztunnel.Config{Reject: func(string) string {
+		if reject.Load() {
+			return "refused"
+		}
+		return ""
+	}})
+	pod, _ := f.enrolledRunning("rejected")
+	if err := f.srv.Del(context.Background(), string(pod.UID)); err != nil {
+		t.Fatal(err)
+	}
+	reject.Store(true)
+	f.verifyAll()
+	if c, _ := f.conds.of(pod.UID); c.proven {
+		t.Fatalf("condition after ztunnel rejected the pod = %+v; want False", c)
+	}
+	stop()
+	f.zt.Store(int32(enroll.ZtunnelReconnecting))
+	f.verifyAll()
+	if c, _ := f.conds.of(pod.UID); c.proven {
+		t.Errorf("no ztunnel holds the pod, yet a round within the grace turned its condition %+v", c)
+	}
+}
+
+// dnsListeners expects ztunnel's DNS proxy too, which the stand-in runs
+// without: listeners that no repair brings back.
+type dnsListeners struct{}
+
+func (dnsListeners) Missing(ns *os.File) ([]uint16, error) {
+	return redirect.Listening(ns, []uint16{ztunnel.PortOutbound, ztunnel.PortInbound, ztunnel.PortHBONE, ztunnel.PortDNS})
+}
+
+// Listeners a restart of the pod's proxy does not bring back: the proxy is
+// restarted once, then not again within the backoff, never by a reconcile,
+// and no repair is claimed. Each restart interrupts the pod's connections.
+// (Review finding.)
+func TestVerifierBacksOffAListenerRepairThatDoesNotHold(t *testing.T) {
+	f := newFixture(t)
+	f.stopServer()
+	f.listeners = dnsListeners{}
+	f.startAgent(nil)
+	rec := &record{}
+	f.standin(ztunnel.Config{Record: rec})
+	pod, _ := f.enrolledRunning("dns")
+	before := rec.count("del")
+	for range 3 {
+		f.verifyAll()
+	}
+	for range 3 {
+		_ = f.p.Reconcile(context.Background(), f.cached(types.NamespacedName{Namespace: "mesh", Name: pod.Name}))
+	}
+	if dels := rec.count("del") - before; dels != 1 {
+		t.Errorf("the pod's proxy was restarted %d times by 3 rounds and 3 reconciles; want once", dels)
+	}
+	if n := countOf(f.rec.reasons(), enroll.EventRepaired); n != 0 {
+		t.Errorf("%d %s events for a repair that did not hold", n, enroll.EventRepaired)
+	}
+	if c, _ := f.conds.of(pod.UID); c.proven || c.reason != "ListenersMissing" {
+		t.Errorf("condition = %+v; want False/ListenersMissing", c)
+	}
+}
+
+// A rolling upgrade of ztunnel: the new one's snapshot is still being
+// acknowledged when a round runs. A pod both hold is no loss. (Review
+// finding.)
+func TestVerifierWaitsForTheNewZtunnelsSnapshot(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	pod, _ := f.enrolledRunning("upgraded")
+	ztunnel.Start(t, ztunnel.Config{SocketPath: f.sock, AckDelay: 500 * time.Millisecond})
+	testkit.Eventually(t, waitFor, "the new ztunnel to connect", func() bool { return f.srv.State().Connections == 2 })
+	f.verifyAll()
+	if c, _ := f.conds.of(pod.UID); !c.proven {
+		t.Errorf("a pod held by both ztunnels turned %+v during the upgrade", c)
+	}
+	if got := f.rec.reasons(); slices.Contains(got, enroll.EventRepaired) {
+		t.Errorf("events %v: a repair claimed during the upgrade", got)
+	}
+}
+
+// A sandbox recreated without inpod in the chain, found by the verifier,
+// whose probe exemption fails after its rules went in: ztunnel still gets
+// it, or its rules would point at listeners nobody binds. (Review finding.)
+func TestProbeFailureOnARecreatedSandboxStillHandsItToZtunnel(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	pod, first := f.enrolledRunning("moved")
+	first.Exec(t, "ip", "addr", "del", first.ip.String()+"/32", "dev", "lo")
+	second := f.sandbox()
+	second.RunAsPod(t, string(pod.UID))
+	f.recreated(pod, second)
+	f.probes.failAdd.Store(true)
+	f.verifyAll()
+	if !hasRules(t, second) {
+		t.Fatal("the verifier did not redirect the recreated sandbox")
+	}
+	if missing, err := (standinListeners{}).Missing(second.Open(t)); err != nil || len(missing) > 0 {
+		t.Errorf("the recreated sandbox has inpod's rules but ztunnel's listeners %v are missing (%v): its traffic is black-holed", missing, err)
+	}
+}
+
+// A round over pods whose rules nobody touched reads each netns's
+// nf_tables generation, not the whole rule set.
+func TestVerifierTrustsAnUnchangedGeneration(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	for i := range 3 {
+		f.enrolledRunning(fmt.Sprintf("quiet-%d", i))
+	}
+	f.verifyAll() // proves each set once, remembering its generation
+	_, sb := f.enrolledRunning("touched")
+	f.verifyAll()
+	sb.Exec(t, "nft", "add", "table", "inet", "unrelated")
+	before := sb.Exec(t, "nft", "list", "ruleset")
+	if v := f.verifyAll(); len(v.Repaired) != 0 {
+		t.Fatalf("an unrelated table was taken for a loss: %+v", v)
+	}
+	if after := sb.Exec(t, "nft", "list", "ruleset"); after != before {
+		t.Fatal("an unrelated change made the verifier rewrite the rules")
+	}
+	sb.Exec(t, "nft", "delete", "chain", "inet", "inpod", "nat_output")
+	if v := f.verifyAll(); v.Repaired[enroll.RepairRules] != 1 {
+		t.Fatalf("a chain deleted after the generation was remembered went unseen: %+v", v)
+	}
 }
