@@ -18,10 +18,7 @@ import (
 // writes out of a burst of pod starts (enroll.AnnotationWriter).
 type cniActivity struct {
 	cniserver.Handler
-	// OnChange, when set, is called after each DEL (the verifier's
-	// trigger).
-	OnChange func()
-	started  atomic.Uint64
+	started atomic.Uint64
 
 	mu       sync.Mutex
 	inFlight int
@@ -72,17 +69,7 @@ func (c *cniActivity) Add(ctx context.Context, req *cnievent.Request) (cnievent.
 
 func (c *cniActivity) Del(ctx context.Context, req *cnievent.Request) (cnievent.Outcome, error) {
 	defer c.track()()
-	defer c.changed()
 	return c.Handler.Del(ctx, req)
-}
-
-// changed tells OnChange that a sandbox went: its DEL may have been taken
-// for another sandbox's. (An ADD of a recreated sandbox asks the pipeline's
-// VerifySoon itself; a new pod's ADD proves that pod and touches no other.)
-func (c *cniActivity) changed() {
-	if c.OnChange != nil {
-		c.OnChange()
-	}
 }
 
 func (c *cniActivity) Check(ctx context.Context, req *cnievent.Request) (cnievent.Outcome, error) {

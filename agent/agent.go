@@ -38,6 +38,7 @@ import (
 	"github.com/inpod-dev/inpod/agent/enroll"
 	"github.com/inpod-dev/inpod/agent/enrolledrecord"
 	"github.com/inpod-dev/inpod/agent/observe"
+	"github.com/inpod-dev/inpod/agent/podcondition"
 	"github.com/inpod-dev/inpod/agent/podnetns"
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/apiaccess"
@@ -136,10 +137,6 @@ type Config struct {
 	// DefaultZtunnelGrace).
 	VerifyPeriod time.Duration
 	ZtunnelGrace time.Duration
-	// PodConditions, when set, converges each enrolled pod's
-	// inpod.dev/redirected condition (the readiness gate the admission
-	// policy adds); nil: none is written.
-	PodConditions enroll.Conditions
 }
 
 // Agent is a running node agent.
@@ -273,6 +270,9 @@ func (a *Agent) Run(ctx context.Context) error {
 		if err := p.annotations.Flush(flushCtx); err != nil {
 			a.log.Warn("some pods' redirection annotations not written at shutdown; the next agent writes them", "err", err)
 		}
+		if err := p.conditions.Flush(flushCtx); err != nil {
+			a.log.Warn("some pods' inpod.dev/redirected conditions not written at shutdown; the next agent writes them", "err", err)
+		}
 		cancelFlush()
 		a.log.Info("agent stopping; rules, ztunnel's proxies and the CNI plugin stay in place")
 		return nil
@@ -290,10 +290,12 @@ type pieces struct {
 	hostNS      *os.File
 	probes      *redirect.HostProbes
 	annotations *enroll.AnnotationWriter
-	pipeline    *enroll.Pipeline
-	pods        *podCache
-	podInf      informers.SharedInformerFactory
-	nsInf       metadatainformer.SharedInformerFactory
+	// conditions converges the pods' inpod.dev/redirected condition.
+	conditions *podcondition.Writer
+	pipeline   *enroll.Pipeline
+	pods       *podCache
+	podInf     informers.SharedInformerFactory
+	nsInf      metadatainformer.SharedInformerFactory
 	// queue feeds the reconciler; the informers' handlers fill it.
 	queue    workqueue.TypedRateLimitingInterface[types.NamespacedName]
 	passList *passlist.List
@@ -377,6 +379,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	if p.records, err = enrolledrecord.Open(filepath.Join(filepath.Dir(cfg.CNISocket), enrolledRecordDir)); err != nil {
 		return nil, err
 	}
+	p.conditions = podcondition.New(podcondition.Config{Client: p.client, Logger: a.log, Current: p.pods.cachedPod})
 	p.presence = newZtunnelPresence(cfg.ZtunnelGrace)
 	p.verifier = newVerifier(cfg.VerifyPeriod, func(ctx context.Context) { p.pipeline.VerifyAll(ctx, p.pods.cachedPod) }, p.activity)
 	p.pipeline = enroll.New(enroll.Config{
@@ -394,10 +397,11 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 
 		Listeners:      newZtunnelListeners(cfg.DNSCapture),
 		Acks:           ztunnelRef{&p.zds},
-		Conditions:     cfg.PodConditions,
+		Conditions:     p.conditions,
 		VerifyObserver: a.Metrics,
 		Presence:       p.presence.presence,
 		VerifySoon:     p.verifier.trigger,
+		Generation:     rulesGeneration(backend),
 	})
 	a.pipeline = p.pipeline
 	a.Metrics.TrackEnrolled(func() int { return len(p.pipeline.Enrolled()) })
@@ -405,7 +409,6 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		return nil, err
 	}
 	p.activity.Handler = p.pipeline
-	p.activity.OnChange = p.verifier.trigger
 	if p.cni, err = cniserver.New(cniserver.Config{SocketPath: cfg.CNISocket, Handler: p.activity, Logger: a.log}); err != nil {
 		return nil, err
 	}
@@ -436,7 +439,12 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 			p.queue.Add(key)
 		}
 	}
-	p.podInf.Core().V1().Pods().Informer().AddEventHandler(handlerFuncs(podChanged, podChanged))
+	p.podInf.Core().V1().Pods().Informer().AddEventHandler(handlerFuncs(podChanged, func(obj any) {
+		podChanged(obj)
+		if pod, ok := deletedPod(obj); ok {
+			p.conditions.Forget(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, pod.UID)
+		}
+	}))
 	p.nsInf.ForResource(namespacesResource).Informer().AddEventHandler(handlerFuncs(func(obj any) {
 		if ns, ok := obj.(*metav1.PartialObjectMetadata); ok {
 			for _, pod := range p.pods.podsOfNamespace(ns.Name) {
@@ -538,6 +546,7 @@ func (a *Agent) start(parent context.Context, p *pieces) error {
 func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, func(context.Context) error), fail context.CancelCauseFunc) error {
 	cfg := a.cfg
 	run("annotations", func(ctx context.Context) error { p.annotations.Run(ctx); return nil })
+	run("pod conditions", func(ctx context.Context) error { p.conditions.Run(ctx); return nil })
 	if err := p.cni.Listen(); err != nil {
 		return err
 	}
@@ -577,6 +586,8 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, fun
 	if err := p.zds.Listen(); err != nil {
 		return err
 	}
+	// ztunnel's grace runs from here: before, it could not connect.
+	p.presence.reset()
 	// The ZDS server outlives the rest: removing inpod from the node at
 	// shutdown still tells ztunnel about every pod it takes out. It stops
 	// in pieces.close; a failure of its own stops the agent.
@@ -727,14 +738,21 @@ func (a *Agent) reconcileOne(ctx context.Context, key types.NamespacedName, pods
 }
 
 func podKey(obj any) (types.NamespacedName, bool) {
-	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-		obj = d.Obj
-	}
-	p, ok := obj.(*corev1.Pod)
+	p, ok := deletedPod(obj)
 	if !ok {
 		return types.NamespacedName{}, false
 	}
 	return types.NamespacedName{Namespace: p.Namespace, Name: p.Name}, true
+}
+
+// deletedPod is the pod of an informer event, also of a deletion the
+// watch only learnt of in a relist.
+func deletedPod(obj any) (*corev1.Pod, bool) {
+	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = d.Obj
+	}
+	p, ok := obj.(*corev1.Pod)
+	return p, ok
 }
 
 // passListDir, next to the CNI socket, holds the pass list.
@@ -775,6 +793,7 @@ type ztunnelRef struct{ s **zds.Server }
 func (z ztunnelRef) Add(ctx context.Context, w zds.Workload) error { return (*z.s).Add(ctx, w) }
 func (z ztunnelRef) Del(ctx context.Context, uid string) error     { return (*z.s).Del(ctx, uid) }
 func (z ztunnelRef) Acked(uid string) bool                         { return (*z.s).Acked(uid) }
+func (z ztunnelRef) Settled() bool                                 { return (*z.s).Settled() }
 
 // otherBackends are cleaned out of pods when another backend is in use.
 func otherBackends(inUse string) []redirect.Backend {

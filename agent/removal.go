@@ -336,6 +336,13 @@ func (a *Agent) removeFromNode(p *pieces) error {
 	if err := p.annotations.Flush(ctx); err != nil {
 		errs = append(errs, err)
 	}
+	// Out of the mesh, no pod has anything left to prove: a gated pod
+	// left False (or never set) would stay unready with nobody to set it.
+	all, _ := p.podInf.Core().V1().Pods().Lister().List(labels.Everything())
+	p.pipeline.ReleaseGates(all)
+	if err := p.conditions.Flush(ctx); err != nil {
+		errs = append(errs, err)
+	}
 	if err := errors.Join(errs...); err != nil {
 		a.log.Error("inpod was only partly removed from this node", "err", err)
 		return err

@@ -61,9 +61,13 @@ func (v *verifier) jittered() time.Duration {
 	return time.Duration(float64(v.period) * (0.9 + 0.2*rand.Float64()))
 }
 
-// run runs rounds until ctx ends, the first at once (the agent's start is
-// an event that may have broken anything).
+// run runs rounds until ctx ends, the first once the CNI events in flight
+// have ended (the agent's start is an event that may have broken anything;
+// the kubelet's retried ADDs come first).
 func (v *verifier) run(ctx context.Context) {
+	if !v.settle(ctx, time.Time{}) {
+		return
+	}
 	timer := time.NewTimer(0)
 	defer timer.Stop()
 	var last time.Time
@@ -145,6 +149,15 @@ func (z *ztunnelPresence) observe(st zds.State) bool {
 	return st.Ready
 }
 
+// reset starts the grace again: the ZDS socket is served from now on.
+func (z *ztunnelPresence) reset() {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	if !z.ready {
+		z.since = time.Now()
+	}
+}
+
 func (z *ztunnelPresence) presence() enroll.ZtunnelPresence {
 	z.mu.Lock()
 	defer z.mu.Unlock()
@@ -171,6 +184,16 @@ func newZtunnelListeners(dns bool) ztunnelListeners {
 
 func (l ztunnelListeners) Missing(ns *os.File) ([]uint16, error) {
 	return redirect.Listening(ns, l.ports)
+}
+
+// rulesGeneration is what tells the verifier that no nf_tables table of a
+// pod changed: the nf_tables generation, for the backends that write
+// nf_tables; none for iptables-legacy, whose rules every round reads back.
+func rulesGeneration(backend redirect.Backend) func(*os.File) (uint32, error) {
+	if backend.Name() == "iptables-legacy" {
+		return nil
+	}
+	return redirect.Generation
 }
 
 // cachedPod is the pod the agent's cache holds under a name, or nil.
