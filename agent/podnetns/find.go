@@ -17,6 +17,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 	vnetns "github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 
 	"github.com/inpod-dev/inpod/netns"
 )
@@ -145,7 +146,9 @@ func (Finder) Holds(ns *os.File, ips []netip.Addr) bool { return HoldsAny(ns, ip
 // HoldsAny reports whether the netns ns has one of ips on an interface,
 // read over netlink without entering it.
 func HoldsAny(ns *os.File, ips []netip.Addr) bool {
-	h, err := netlink.NewHandleAt(vnetns.NsHandle(int(ns.Fd())))
+	// The route family only: a handle of every family opens three
+	// sockets in the netns, and the verifier asks this of every pod.
+	h, err := netlink.NewHandleAt(vnetns.NsHandle(int(ns.Fd())), unix.NETLINK_ROUTE)
 	if err != nil {
 		return false
 	}
