@@ -58,12 +58,6 @@ func (c *conditions) of(uid types.UID) (condition, bool) {
 	return v, ok
 }
 
-func (c *conditions) dipped(uid types.UID) bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return slices.ContainsFunc(c.history[uid], func(v condition) bool { return !v.proven })
-}
-
 // standinListeners are the ports the stand-in binds without DNS.
 type standinListeners struct{}
 
