@@ -379,7 +379,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	if p.records, err = enrolledrecord.Open(filepath.Join(filepath.Dir(cfg.CNISocket), enrolledRecordDir)); err != nil {
 		return nil, err
 	}
-	p.conditions = podcondition.New(podcondition.Config{Client: p.client, Logger: a.log, Current: p.pods.cachedPod})
+	p.conditions = podcondition.New(podcondition.Config{Client: p.client, Logger: a.log, Current: p.pods.cachedPod, Observer: a.Metrics.PodConditions()})
 	p.presence = newZtunnelPresence(cfg.ZtunnelGrace)
 	p.verifier = newVerifier(cfg.VerifyPeriod, func(ctx context.Context) { p.pipeline.VerifyAll(ctx, p.pods.cachedPod) }, p.activity)
 	p.pipeline = enroll.New(enroll.Config{

@@ -45,6 +45,7 @@ type Metrics struct {
 	verifyLatency     prometheus.Histogram
 	repairs           *prometheus.CounterVec
 	unproven          prometheus.Gauge
+	podConditions     *prometheus.CounterVec
 
 	mu        sync.Mutex
 	published bool
@@ -108,13 +109,25 @@ func NewMetrics() *Metrics {
 		unproven: prometheus.NewGauge(prometheus.GaugeOpts{Name: "inpod_pods_unproven",
 			Help: "Enrolled pods whose redirection the last verification could not prove (their inpod.dev/redirected condition is False)."}),
 	}
-	r.MustRegister(m.verifications, m.verifyLatency, m.repairs, m.unproven)
+	m.podConditions = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_pod_condition_writes_total",
+		Help: "Writes of pods' inpod.dev/redirected condition, by result (written, failed; each failure is retried with backoff). One per enrolled pod start, and one per change the verifier finds."}, []string{"result"})
+	r.MustRegister(m.verifications, m.verifyLatency, m.repairs, m.unproven, m.podConditions)
 	r.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "inpod_enrolled_pods",
 		Help: "Pods the agent holds as enrolled (or held for a restore) now; a soak compares it with the pods that exist."}, m.trackedPods))
 	r.MustRegister(m.startupReleased, m.slicePublishes, m.sliceTaintChanges, m.sliceLatency, m.prepareRefusals, m.gateRegistrations, m.gateHealthFlips, m.conditionWrites, m.conditionFailures, m.enrollments, m.failures, m.removals, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
+
+// PodConditions counts the pod condition writer's writes
+// (podcondition.Observer).
+func (m *Metrics) PodConditions() PodConditionWrites { return PodConditionWrites{m.podConditions} }
+
+// PodConditionWrites implements podcondition.Observer.
+type PodConditionWrites struct{ v *prometheus.CounterVec }
+
+func (w PodConditionWrites) Written() { w.v.WithLabelValues("written").Inc() }
+func (w PodConditionWrites) Failed()  { w.v.WithLabelValues("failed").Inc() }
 
 // Verified implements enroll.VerifyObserver.
 func (m *Metrics) Verified(took time.Duration) {
