@@ -380,6 +380,15 @@ func TestE2EMission(t *testing.T) {
 	// 7, the taint and DRA gates installed by their chart values:
 	// TestE2EChartTaintMode and TestE2EChartDRAMode.
 
+	ok = t.Run("11 tampered rules repaired by the verifier, a plain pod untouched", func(t *testing.T) {
+		// The running enrolled pod's netfilter tables flushed from inside
+		// its netns; the plain pod watched through the verifier's rounds.
+		c.verifierRepairs(t, app, peer)
+	})
+	if !ok {
+		return
+	}
+
 	t.Run("8 uninstall", func(t *testing.T) {
 		appState := podState(t, ctx, node, "mesh", "app")
 		peerState := podState(t, ctx, node, "plain", "peer")
