@@ -5,6 +5,7 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"math/rand"
 	"os"
@@ -25,6 +26,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/agent/enroll"
 	"github.com/inpod-dev/inpod/e2e/chart"
 	"github.com/inpod-dev/inpod/e2e/images"
@@ -64,6 +66,12 @@ import (
 //   - not enrolled at start: no listeners, no inpod rules, and Running
 //     within plainBound of its creation plus any time the node was down
 //     for a fault (kubelet restart, API server stopped).
+//
+// The verifier, judged by the rules-flush fault: a judged enrolled pod's
+// netfilter tables flushed from inside its netns must hold the same rules
+// (handles aside) again within repairBound (the agent's verify period + 5
+// s); its rules missing until then are no violation, missing after are one
+// (tamperVerdict).
 //
 // The gate, judged from the agent's readiness (its inpod_node_ready,
 // sampled every 500 ms) against:
@@ -208,6 +216,9 @@ type soakPod struct {
 	uid, netns string
 	ip         string
 	started    time.Time
+	// tampered: a rules-flush fault is on it; the churn leaves it alone
+	// until the fault's verdict is in.
+	tampered bool
 }
 
 type labelChange struct {
@@ -423,7 +434,7 @@ func (s *soak) deleteJudged(r *rand.Rand, n int) {
 	s.mu.Lock()
 	var keys []string
 	for k, p := range s.pods {
-		if p.judged {
+		if p.judged && !p.tampered {
 			keys = append(keys, k)
 		}
 	}
@@ -431,10 +442,20 @@ func (s *soak) deleteJudged(r *rand.Rand, n int) {
 	sort.Strings(keys)
 	r.Shuffle(len(keys), func(i, j int) { keys[i], keys[j] = keys[j], keys[i] })
 	for _, k := range keys[:min(n, len(keys))] {
+		// Taken out of the map before the DELETE, under the lock a fault
+		// picks its pod under: a pod is either deleted or tampered with.
+		s.mu.Lock()
+		p := s.pods[k]
+		if p == nil || p.tampered {
+			s.mu.Unlock()
+			continue
+		}
+		delete(s.pods, k)
+		s.mu.Unlock()
 		ns, name, _ := strings.Cut(k, "/")
-		if err := s.c.Client.CoreV1().Pods(ns).Delete(s.ctx, name, metav1.DeleteOptions{}); err == nil {
+		if err := s.c.Client.CoreV1().Pods(ns).Delete(s.ctx, name, metav1.DeleteOptions{}); err != nil {
 			s.mu.Lock()
-			delete(s.pods, k)
+			s.pods[k] = p
 			s.mu.Unlock()
 		}
 	}
@@ -477,7 +498,11 @@ func (s *soak) churn(ctx context.Context, r *rand.Rand) {
 // --- faults ------------------------------------------------------------
 
 var faultKinds = []string{"agent-sigkill", "agent-pod-delete", "standin-kill", "standin-upgrade", "kubelet-restart",
-	"conflist-clobber", "apiserver-stop", "namespace-flip"}
+	"conflist-clobber", "apiserver-stop", "namespace-flip", "rules-flush"}
+
+// errNoTarget: the fault found nothing to strike; it is neither injected
+// nor counted.
+var errNoTarget = errors.New("nothing to strike")
 
 // inject strikes a fault 3 to 10 s after the node recovered from the last
 // one: each kind once, in a seeded order, then at random.
@@ -496,7 +521,10 @@ func (s *soak) inject(ctx context.Context, r *rand.Rand) {
 		}
 		s.logf("fault %s", kind)
 		struck := time.Now()
-		if err := s.fault(kind, r); err != nil {
+		if err := s.fault(kind, r); errors.Is(err, errNoTarget) {
+			s.logf("fault %s skipped: %v", kind, err)
+			continue
+		} else if err != nil {
 			s.violate("fault %s could not be injected: %v", kind, err)
 			continue
 		}
@@ -633,6 +661,119 @@ func (s *soak) fault(kind string, r *rand.Rand) error {
 		for range 3 {
 			s.create("flip")
 		}
+	case "rules-flush":
+		return s.flushRules(r)
+	}
+	return nil
+}
+
+// tamperSample is one read of a tampered pod's netns: whether it held the
+// rules it held before the flush.
+type tamperSample struct {
+	at     time.Time
+	intact bool
+}
+
+// tamperVerdict judges the samples of a pod's rules taken from their flush
+// at from on. Missing rules are the verifier's to repair within bound
+// (its period plus slack): excused until then, a violation after. back is
+// how long after the flush they were first intact again (0: never); late
+// is the first sample after the bound that found them missing (zero: the
+// repair kept the bound).
+func tamperVerdict(from time.Time, samples []tamperSample, bound time.Duration) (back time.Duration, late time.Time) {
+	for _, sm := range samples {
+		if sm.intact && back == 0 {
+			back = max(sm.at.Sub(from), time.Nanosecond)
+		}
+		if !sm.intact && sm.at.Sub(from) > bound && late.IsZero() {
+			late = sm.at
+		}
+	}
+	return back, late
+}
+
+// flushRules flushes the netfilter tables of a running enrolled pod (a
+// judged one in mesh, whose label never changes) from inside its netns, as
+// a process in the pod with NET_ADMIN could, then reads its netns every
+// 100 ms until the same rules (handles aside) have held for 2 s, or for 2
+// minutes: the agent's verifier must have them back within repairBound.
+// The wait is the fault's, so the node is back to normal for the next one.
+func (s *soak) flushRules(r *rand.Rand) error {
+	// Early in a run (or right after a drain) no pod may be judged yet:
+	// the churn makes one soon.
+	var sp *soakPod
+	if err := testkit.Poll(time.Minute, "a running enrolled pod in mesh", func() (bool, error) {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		var keys []string
+		for k, p := range s.pods {
+			if p.judged && p.enrolled && p.ns == "mesh" && p.ip != "" && !p.tampered {
+				keys = append(keys, k)
+			}
+		}
+		if len(keys) == 0 {
+			return s.ctx.Err() != nil, s.ctx.Err()
+		}
+		sort.Strings(keys)
+		sp = s.pods[keys[r.Intn(len(keys))]]
+		sp.tampered = true
+		return true, nil
+	}); err != nil || sp == nil {
+		return fmt.Errorf("%w: %v", errNoTarget, err)
+	}
+	defer func() {
+		s.mu.Lock()
+		sp.tampered = false
+		s.mu.Unlock()
+	}()
+	key := sp.ns + "/" + sp.name
+	name, ok := netnsByIP()[sp.ip]
+	if !ok {
+		return fmt.Errorf("%w: no netns holds %s's address %s", errNoTarget, key, sp.ip)
+	}
+	before, id, err := netnsRules(name)
+	if err != nil || id != sp.netns {
+		return fmt.Errorf("%w: %s's netns %s is not the one it was judged in (%s, now %s: %v)", errNoTarget, key, name, sp.netns, id, err)
+	}
+	if !strings.Contains(before, "15001") || !strings.Contains(before, "15006") {
+		return fmt.Errorf("enrolled %s had no redirection rules in its netns %s before the flush:\n%s", key, name, before)
+	}
+	from := time.Now()
+	if err := flushNetfilter(name); err != nil {
+		return err
+	}
+	var samples []tamperSample
+	var intactSince time.Time
+	for {
+		rules, now, err := netnsRules(name)
+		at := time.Now()
+		if err != nil || now != id {
+			return fmt.Errorf("%s's netns %s (%s) went away %s after the flush, though the churn leaves it alone: %v",
+				key, name, id, at.Sub(from).Round(time.Millisecond), err)
+		}
+		intact := withoutHandles(rules) == withoutHandles(before)
+		samples = append(samples, tamperSample{at, intact})
+		switch {
+		case !intact:
+			intactSince = time.Time{}
+		case intactSince.IsZero():
+			intactSince = at
+		}
+		if !intactSince.IsZero() && at.Sub(intactSince) >= 2*time.Second || at.Sub(from) > 2*time.Minute {
+			break
+		}
+		time.Sleep(100 * time.Millisecond) // sampling the kernel's ruleset
+	}
+	back, late := tamperVerdict(from, samples, repairBound)
+	switch {
+	case late.IsZero():
+		s.logf("rules-flush %s: the same rules back after %s (bound %s)", key, back.Round(10*time.Millisecond), repairBound)
+	case back == 0:
+		s.violate("enrolled %s: its rules, flushed at %s, were not back after %s (bound: verify period %s + 5 s)",
+			key, from.UTC().Format("15:04:05.000"), time.Since(from).Round(time.Second), agent.DefaultVerifyPeriod)
+	default:
+		s.violate("enrolled %s: its rules, flushed at %s, were still missing %s after (bound: verify period %s + 5 s); first back after %s",
+			key, from.UTC().Format("15:04:05.000"), late.Sub(from).Round(10*time.Millisecond), agent.DefaultVerifyPeriod, back.Round(10*time.Millisecond))
 	}
 	return nil
 }

@@ -83,3 +83,38 @@ func TestE2ESoakJudgeDelAfterTheHoldingAck(t *testing.T) {
 		}
 	}
 }
+
+// A flushed pod's missing rules are excused for the repair bound after the
+// flush and are a violation after it: whether they never came back, came
+// back late, or came back and went again.
+func TestE2ESoakJudgeTamperBound(t *testing.T) {
+	from := time.Unix(1000, 0)
+	const bound = 15 * time.Second
+	at := func(ms int) time.Time { return from.Add(time.Duration(ms) * time.Millisecond) }
+	run := func(missingUntil, lostFrom, end int) []tamperSample {
+		var out []tamperSample
+		for ms := 100; ms <= end; ms += 100 {
+			out = append(out, tamperSample{at(ms), ms >= missingUntil && (lostFrom == 0 || ms < lostFrom)})
+		}
+		return out
+	}
+	cases := []struct {
+		name     string
+		samples  []tamperSample
+		back     time.Duration
+		violated bool
+	}{
+		{"back after 3 s", run(3000, 0, 5000), 3 * time.Second, false},
+		{"back just within the bound", run(15000, 0, 17000), 15 * time.Second, false},
+		{"back late", run(16000, 0, 18000), 16 * time.Second, true},
+		{"never back", run(1<<30, 0, 120000), 0, true},
+		{"back, then lost again within the bound: excused", run(2000, 4000, 6000), 2 * time.Second, false},
+		{"back, then lost again after the bound", append(run(2000, 0, 15000), tamperSample{at(15500), false}), 2 * time.Second, true},
+	}
+	for _, c := range cases {
+		back, late := tamperVerdict(from, c.samples, bound)
+		if back != c.back || !late.IsZero() != c.violated {
+			t.Errorf("%s: back after %s, late at %v; want back after %s, violated %v", c.name, back, late, c.back, c.violated)
+		}
+	}
+}
