@@ -146,28 +146,34 @@ func TestEngineLeaksNoFileDescriptors(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			// The first cycle may open what the process keeps for good
-			// (the runtime's poller, for one).
-			cycle()
-			// Files an earlier test dropped without closing are closed by
-			// their finalizers when the collector runs: let that happen
-			// before counting, not in the middle. (A count that drops is
-			// no leak; one that grows is.)
-			runtime.GC()
-			before := openFDs(t)
-			const cycles = 20
-			for range cycles {
-				cycle()
-			}
-			// A descriptor the process holds for a moment as it is counted
-			// (CI once saw one more, once) is not a leak: one that stays is.
-			after := openFDs(t)
-			for deadline := time.Now().Add(5 * time.Second); after > before && time.Now().Before(deadline); after = openFDs(t) {
-				time.Sleep(50 * time.Millisecond)
-			}
-			if after > before {
-				t.Errorf("%d file descriptors open after %d apply/present/remove cycles, %d before", after, cycles, before)
-			}
+			requireNoFDLeak(t, 20, "apply/present/remove cycles", cycle)
 		})
+	}
+}
+
+// requireNoFDLeak runs cycle once, then n times, and fails the test if the
+// process holds more file descriptors after than before the n.
+func requireNoFDLeak(t *testing.T, n int, what string, cycle func()) {
+	t.Helper()
+	// The first cycle may open what the process keeps for good (the
+	// runtime's poller, for one).
+	cycle()
+	// Files an earlier test dropped without closing are closed by their
+	// finalizers when the collector runs: let that happen before counting,
+	// not in the middle. (A count that drops is no leak; one that grows
+	// is.)
+	runtime.GC()
+	before := openFDs(t)
+	for range n {
+		cycle()
+	}
+	// A descriptor the process holds for a moment as it is counted (CI
+	// once saw one more, once) is not a leak: one that stays is.
+	after := openFDs(t)
+	for deadline := time.Now().Add(5 * time.Second); after > before && time.Now().Before(deadline); after = openFDs(t) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if after > before {
+		t.Errorf("%d file descriptors open after %d %s, %d before", after, n, what, before)
 	}
 }

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"runtime"
 	"slices"
 	"testing"
 	"time"
@@ -218,22 +217,7 @@ func TestListeningLeaksNoFileDescriptors(t *testing.T) {
 			t.Fatal("Listening in /dev/null succeeded")
 		}
 	}
-	cycle()
-	runtime.GC()
-	before := openFDs(t)
-	const cycles = 200
-	for range cycles {
-		cycle()
-	}
-	// A descriptor the process holds for a moment as it is counted is not
-	// a leak: one that stays is.
-	after := openFDs(t)
-	for deadline := time.Now().Add(5 * time.Second); after > before && time.Now().Before(deadline); after = openFDs(t) {
-		time.Sleep(50 * time.Millisecond)
-	}
-	if after > before {
-		t.Errorf("%d file descriptors open after %d cycles of Listening, %d before", after, cycles, before)
-	}
+	requireNoFDLeak(t, 200, "cycles of Listening", cycle)
 }
 
 // BenchmarkListening is what the verifier pays per pod: one netns with
