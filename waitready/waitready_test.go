@@ -11,7 +11,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -223,32 +222,14 @@ func startCheck(t *testing.T, p *pod, timeout time.Duration, env ...string) (wai
 	return wait
 }
 
-// syncBuffer is read while the child writes to it.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // startCheckLive is startCheck that also gives the child's stderr as it
 // is written.
-func startCheckLive(t *testing.T, p *pod, timeout time.Duration, env ...string) (wait func() result, stderr *syncBuffer) {
+func startCheckLive(t *testing.T, p *pod, timeout time.Duration, env ...string) (wait func() result, stderr *testkit.Buffer) {
 	t.Helper()
 	cmd := exec.Command(childBinary(t), "-test.run=^$")
 	cmd.Env = append(append(os.Environ(), childEnv+"="+timeout.String()), env...)
 	var stdout bytes.Buffer
-	stderr = &syncBuffer{}
+	stderr = &testkit.Buffer{}
 	cmd.Stdout, cmd.Stderr = &stdout, stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: nobody, Gid: nobody}, Pdeathsig: syscall.SIGKILL}
 	if err := netns.Do(p.ns, cmd.Start); err != nil {

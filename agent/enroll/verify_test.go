@@ -1,7 +1,6 @@
 package enroll_test
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"net/netip"
@@ -367,22 +366,10 @@ func (f *fixture) listenersOrDefault() enroll.Listeners {
 	return standinListeners{}
 }
 
-// record is a stand-in's record (Config.Record), counted by event.
-type record struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (r *record) Write(p []byte) (int, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.b.Write(p)
-}
-
-func (r *record) count(event string) int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return strings.Count(r.b.String(), `"event":"`+event+`"`)
+// recorded counts the events of a kind in a stand-in's record
+// (Config.Record).
+func recorded(rec *testkit.Buffer, event string) int {
+	return strings.Count(rec.String(), `"event":"`+event+`"`)
 }
 
 // A removal that failed half-way (ztunnel's Del timed out) puts the entry
@@ -454,17 +441,17 @@ func TestVerifierBacksOffAListenerRepairThatDoesNotHold(t *testing.T) {
 	f.stopServer()
 	f.listeners = dnsListeners{}
 	f.startAgent(nil)
-	rec := &record{}
+	rec := &testkit.Buffer{}
 	f.standin(ztunnel.Config{Record: rec})
 	pod, _ := f.enrolledRunning("dns")
-	before := rec.count("del")
+	before := recorded(rec, "del")
 	for range 3 {
 		f.verifyAll()
 	}
 	for range 3 {
 		_ = f.p.Reconcile(context.Background(), f.cached(types.NamespacedName{Namespace: "mesh", Name: pod.Name}))
 	}
-	if dels := rec.count("del") - before; dels != 1 {
+	if dels := recorded(rec, "del") - before; dels != 1 {
 		t.Errorf("the pod's proxy was restarted %d times by 3 rounds and 3 reconciles; want once", dels)
 	}
 	if n := countOf(f.rec.reasons(), enroll.EventRepaired); n != 0 {

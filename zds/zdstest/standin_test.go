@@ -1,7 +1,6 @@
 package zdstest_test
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -10,7 +9,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -314,23 +312,10 @@ func dial(nsPath string, port int) error {
 	})
 }
 
-// lockedBuffer is a Record a test reads while the stand-in writes.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) events() []string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
+// recordEvents reads a stand-in's Record, one line per event.
+func recordEvents(b *testkit.Buffer) []string {
 	var out []string
-	for _, line := range strings.Split(strings.TrimSpace(b.buf.String()), "\n") {
+	for _, line := range strings.Split(strings.TrimSpace(b.String()), "\n") {
 		var e ztunnel.RecordEntry
 		if err := json.Unmarshal([]byte(line), &e); err != nil {
 			return []string{"bad line " + line}
@@ -353,7 +338,7 @@ func TestStandinRecordsAcksAndRemovals(t *testing.T) {
 		t.Fatal(err)
 	}
 	agent, path := newFakeAgent(t)
-	rec := &lockedBuffer{}
+	rec := &testkit.Buffer{}
 	runStandin(t, path, func(c *ztunnel.Config) {
 		c.Record = rec
 		c.Reject = func(uid string) string {
@@ -375,7 +360,7 @@ func TestStandinRecordsAcksAndRemovals(t *testing.T) {
 	c.request(del("a"))
 	want := []string{"start", "ack a ns/p-a " + idA.String(), "ack b ns/p-b " + idB.String(), "del b", "del a"}
 	testkit.Eventually(t, 5*time.Second, "the record", func() bool {
-		got := rec.events()
+		got := recordEvents(rec)
 		if len(got) != len(want) {
 			return false
 		}
@@ -390,7 +375,7 @@ func TestStandinRecordsAcksAndRemovals(t *testing.T) {
 func TestStandinRecordsItsStop(t *testing.T) {
 	pod := netnstest.New(t)
 	agent, path := newFakeAgent(t)
-	rec := &lockedBuffer{}
+	rec := &testkit.Buffer{}
 	z := ztunnel.New(ztunnel.Config{SocketPath: path, Record: rec, MinBackoff: 5 * time.Millisecond, MaxBackoff: 20 * time.Millisecond})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
@@ -401,7 +386,7 @@ func TestStandinRecordsItsStop(t *testing.T) {
 	c.request(snapshotSent)
 	cancel()
 	<-done
-	got := rec.events()
+	got := recordEvents(rec)
 	if len(got) != 3 || got[0] != "start" || !strings.HasPrefix(got[1], "ack a ") || got[2] != "stop" {
 		t.Fatalf("record %q, want start, the ack of a, stop", got)
 	}

@@ -1,0 +1,26 @@
+package testkit
+
+import (
+	"bytes"
+	"sync"
+)
+
+// Buffer is a bytes.Buffer a test reads while something else writes to it
+// (a child's output, a stand-in's record).
+type Buffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *Buffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+// String is what was written so far.
+func (b *Buffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
