@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"sync"
 
 	"golang.org/x/sys/unix"
 )
@@ -33,13 +34,12 @@ func Do(ns *os.File, fn func() error) error {
 	errc := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread()
-		orig, err := os.Open(threadNetNSPath())
+		orig, err := homeNetNS()
 		if err != nil {
 			runtime.UnlockOSThread()
 			errc <- fmt.Errorf("open current netns: %w", err)
 			return
 		}
-		defer orig.Close()
 		if err := unix.Setns(int(ns.Fd()), unix.CLONE_NEWNET); err != nil {
 			runtime.UnlockOSThread()
 			errc <- fmt.Errorf("enter netns %s: %w", ns.Name(), err)
@@ -55,6 +55,29 @@ func Do(ns *os.File, fn func() error) error {
 		errc <- fnErr
 	}()
 	return <-errc
+}
+
+// home is the namespace of the threads the runtime schedules goroutines on
+// freely: every thread Do switches is switched back to it or discarded, so
+// a new goroutine's thread is in it. It is opened once, by the first Do,
+// from such a thread: reading a thread's namespace from procfs costs more
+// than both switches together, and the verifier enters every pod's netns.
+var home struct {
+	mu sync.Mutex
+	ns *os.File
+}
+
+func homeNetNS() (*os.File, error) {
+	home.mu.Lock()
+	defer home.mu.Unlock()
+	if home.ns == nil { // a failed open (out of fds) is tried again next time
+		f, err := os.Open(threadNetNSPath())
+		if err != nil {
+			return nil, err
+		}
+		home.ns = f
+	}
+	return home.ns, nil
 }
 
 // DoPath is Do for a namespace named by a path such as /var/run/netns/x or
