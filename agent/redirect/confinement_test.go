@@ -4,12 +4,11 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"runtime"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 )
@@ -109,16 +108,6 @@ func engineSwitchingFromTheOthers(t *testing.T, name string) *redirect.Engine {
 	return redirect.NewEngine(backend, others...)
 }
 
-// openFDs counts this process's open file descriptors.
-func openFDs(t *testing.T) int {
-	t.Helper()
-	entries, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return len(entries)
-}
-
 // TestEngineLeaksNoFileDescriptors runs many pods' worth of every
 // operation: the agent does them by the thousand over its life, and each
 // opens netlink sockets in the pod netns; one left open per pod would run
@@ -146,34 +135,7 @@ func TestEngineLeaksNoFileDescriptors(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			requireNoFDLeak(t, 20, "apply/present/remove cycles", cycle)
+			testkit.RequireNoFDLeak(t, 20, "apply/present/remove cycles", cycle)
 		})
-	}
-}
-
-// requireNoFDLeak runs cycle once, then n times, and fails the test if the
-// process holds more file descriptors after than before the n.
-func requireNoFDLeak(t *testing.T, n int, what string, cycle func()) {
-	t.Helper()
-	// The first cycle may open what the process keeps for good (the
-	// runtime's poller, for one).
-	cycle()
-	// Files an earlier test dropped without closing are closed by their
-	// finalizers when the collector runs: let that happen before counting,
-	// not in the middle. (A count that drops is no leak; one that grows
-	// is.)
-	runtime.GC()
-	before := openFDs(t)
-	for range n {
-		cycle()
-	}
-	// A descriptor the process holds for a moment as it is counted (CI
-	// once saw one more, once) is not a leak: one that stays is.
-	after := openFDs(t)
-	for deadline := time.Now().Add(5 * time.Second); after > before && time.Now().Before(deadline); after = openFDs(t) {
-		time.Sleep(50 * time.Millisecond)
-	}
-	if after > before {
-		t.Errorf("%d file descriptors open after %d %s, %d before", after, n, what, before)
 	}
 }
