@@ -15,8 +15,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/vishvananda/netlink"
-	vnetns "github.com/vishvananda/netns"
+	mnl "github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/inpod-dev/inpod/netns"
@@ -144,23 +143,32 @@ func startTime(path string) uint64 {
 func (Finder) Holds(ns *os.File, ips []netip.Addr) bool { return HoldsAny(ns, ips) }
 
 // HoldsAny reports whether the netns ns has one of ips on an interface,
-// read over netlink without entering it.
+// read over netlink without entering it (only the socket is made there).
 func HoldsAny(ns *os.File, ips []netip.Addr) bool {
-	// The route family only: a handle of every family opens three
-	// sockets in the netns, and the verifier asks this of every pod.
-	h, err := netlink.NewHandleAt(vnetns.NsHandle(int(ns.Fd())), unix.NETLINK_ROUTE)
+	nl, err := netns.OpenNetlink(ns, unix.NETLINK_ROUTE)
 	if err != nil {
 		return false
 	}
-	defer h.Close()
-	addrs, err := h.AddrList(nil, netlink.FAMILY_ALL)
-	if err != nil {
-		return false
-	}
-	for _, a := range addrs {
-		if ip, ok := netip.AddrFromSlice(a.IP); ok && slices.Contains(ips, ip.Unmap()) {
-			return true
+	defer nl.Close()
+	holds := false
+	// struct ifaddrmsg of AF_UNSPEC: the addresses of every family.
+	err = nl.Request(unix.RTM_GETADDR, unix.NLM_F_DUMP, make([]byte, unix.SizeofIfAddrmsg), func(typ uint16, msg []byte) {
+		if holds || typ != unix.RTM_NEWADDR || len(msg) < unix.SizeofIfAddrmsg {
+			return
 		}
-	}
-	return false
+		ad, err := mnl.NewAttributeDecoder(msg[unix.SizeofIfAddrmsg:])
+		if err != nil {
+			return
+		}
+		for ad.Next() {
+			if t := ad.Type(); t != unix.IFA_ADDRESS && t != unix.IFA_LOCAL {
+				continue
+			}
+			if ip, ok := netip.AddrFromSlice(ad.Bytes()); ok && slices.Contains(ips, ip.Unmap()) {
+				holds = true
+			}
+		}
+	})
+	// An interrupted dump proves nothing either way: not held.
+	return err == nil && holds
 }

@@ -8,6 +8,8 @@ import (
 
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/inpod-dev/inpod/netns"
 )
 
 // Generation reads the nf_tables generation of the netns ns: a counter the
@@ -18,37 +20,38 @@ import (
 // iptables-save for the iptables-nft backend). It says nothing about
 // iptables-legacy's tables or the policy routing.
 func Generation(ns *os.File) (uint32, error) {
-	c, err := netlink.Dial(unix.NETLINK_NETFILTER, &netlink.Config{NetNS: int(ns.Fd())})
+	nl, err := netns.OpenNetlink(ns, unix.NETLINK_NETFILTER)
 	if err != nil {
-		return 0, fmt.Errorf("redirect: netfilter netlink in the pod netns: %w", err)
+		return 0, fmt.Errorf("redirect: netfilter netlink: %w", err)
 	}
-	defer c.Close()
-	// nfgenmsg: family, version, resource id.
-	req := netlink.Message{
-		Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_SUBSYS_NFTABLES<<8 | unix.NFT_MSG_GETGEN), Flags: netlink.Request},
-		Data:   []byte{unix.AF_UNSPEC, unix.NFNETLINK_V0, 0, 0},
-	}
-	msgs, err := c.Execute(req)
-	if err != nil {
-		return 0, fmt.Errorf("redirect: read the nf_tables generation: %w", err)
-	}
-	for _, m := range msgs {
-		if len(m.Data) < 4 {
-			continue
+	defer nl.Close()
+	gen, found := uint32(0), false
+	var parseErr error
+	// nfgenmsg: family, version, resource id; then attributes.
+	err = nl.Request(unix.NFNL_SUBSYS_NFTABLES<<8|unix.NFT_MSG_GETGEN, 0, []byte{unix.AF_UNSPEC, unix.NFNETLINK_V0, 0, 0}, func(_ uint16, msg []byte) {
+		if len(msg) < 4 {
+			return
 		}
-		ad, err := netlink.NewAttributeDecoder(m.Data[4:])
+		ad, err := netlink.NewAttributeDecoder(msg[4:])
 		if err != nil {
-			return 0, err
+			parseErr = err
+			return
 		}
 		ad.ByteOrder = binary.BigEndian
 		for ad.Next() {
 			if ad.Type() == unix.NFTA_GEN_ID {
-				return ad.Uint32(), nil
+				gen, found = ad.Uint32(), true
 			}
 		}
-		if err := ad.Err(); err != nil {
-			return 0, err
-		}
+		parseErr = ad.Err()
+	})
+	switch {
+	case err != nil:
+		return 0, fmt.Errorf("redirect: read the nf_tables generation: %w", err)
+	case parseErr != nil:
+		return 0, fmt.Errorf("redirect: read the nf_tables generation: %w", parseErr)
+	case !found:
+		return 0, errors.New("redirect: the kernel sent no nf_tables generation")
 	}
-	return 0, errors.New("redirect: the kernel sent no nf_tables generation")
+	return gen, nil
 }

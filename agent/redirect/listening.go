@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 
 	"golang.org/x/sys/unix"
 
@@ -24,24 +25,31 @@ import (
 // targets still there? It proves that something listens on each port, not
 // that ztunnel does: a process of the pod could bind these ports too.
 //
-// It reads the kernel's socket table through sock_diag (NETLINK_INET_DIAG),
-// a dump of TCP sockets filtered by the kernel to the LISTEN state, with no
-// extensions (no tcp_info): on a busy pod the established connections and
-// their counters are most of the table, and none of them is needed. Only
-// the netlink socket is created inside ns, on a thread of its own
-// (netns.Do); the calling thread never changes namespace, and the socket is
-// closed before Listening returns. A namespace without IPv6 works: its IPv6
-// dump is empty, or refused as by a kernel without IPv6 (EAFNOSUPPORT,
-// EINVAL, ENOENT), which Listening reads as no IPv6 listener.
+// It reads the kernel's socket table through sock_diag (NETLINK_INET_DIAG).
+// First by lookup, the way the kernel finds the socket a connection to
+// 127.0.0.1 (then ::1) on the port would reach: all the lookups in one
+// request, each a hash lookup however many sockets the namespace (or the
+// node: the listener table is shared by every namespace) holds. That finds
+// a wildcard listener, dual-stack or not, and one bound to loopback, which
+// is how ztunnel binds its own. A port no lookup finds is then looked for
+// in a dump of the TCP sockets the kernel filters to the LISTEN state,
+// with no extensions (no tcp_info), which finds a listener on any other
+// address but walks the node's whole listener table. Only the netlink
+// socket is created inside ns, on a thread of its own (netns.Do); the
+// calling thread never changes namespace, and the socket is closed before
+// Listening returns. A namespace without IPv6 works: its IPv6 lookups find
+// nothing and its IPv6 dump is empty, or refused as by a kernel without
+// IPv6 (EAFNOSUPPORT, EINVAL, ENOENT), which Listening reads as no IPv6
+// listener.
 func Listening(ns *os.File, ports []uint16) (missing []uint16, err error) {
 	if len(ports) == 0 {
 		return nil, nil
 	}
-	fd, err := inetDiagSocketIn(ns)
+	nl, err := netns.OpenNetlink(ns, unix.NETLINK_INET_DIAG)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("redirect: sock_diag: %w", err)
 	}
-	defer unix.Close(fd)
+	defer nl.Close()
 
 	found := make([]bool, len(ports))
 	mark := func(port uint16) {
@@ -51,13 +59,30 @@ func Listening(ns *os.File, ports []uint16) (missing []uint16, err error) {
 			}
 		}
 	}
-	buf := make([]byte, diagRecvBuf)
-	for i, f := range []Family{IPv4, IPv6} {
+	unfound := func() (left []uint16) {
+		for i, p := range ports {
+			if !found[i] && !slices.Contains(left, p) {
+				left = append(left, p)
+			}
+		}
+		return left
+	}
+	for _, f := range []Family{IPv4, IPv6} {
+		for _, port := range unfound() {
+			// Not found, or a lookup the kernel refuses: left to the
+			// dump, which says why.
+			_ = lookUpListener(nl, f, port, mark)
+		}
+	}
+	if len(unfound()) == 0 {
+		return nil, nil
+	}
+	for _, f := range []Family{IPv4, IPv6} {
 		af := uint8(unix.AF_INET)
 		if f == IPv6 {
 			af = unix.AF_INET6
 		}
-		err := dumpListeners(fd, buf, af, uint32(i+1), mark)
+		err := dumpListeners(nl, af, mark)
 		if err != nil && f == IPv6 && ipv6Absent(err) {
 			continue
 		}
@@ -73,139 +98,73 @@ func Listening(ns *os.File, ports []uint16) (missing []uint16, err error) {
 	return missing, nil
 }
 
-// inetDiagSocketIn opens a sock_diag socket that reads the socket table of
-// ns. A netlink socket answers for the namespace it was created in, so only
-// socket(2) runs in ns, on netns.Do's thread, which is discarded rather than
-// reused should it fail to return.
-func inetDiagSocketIn(ns *os.File) (int, error) {
-	fd := -1
-	err := netns.Do(ns, func() error {
-		var err error
-		fd, err = unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_INET_DIAG)
-		return err
-	})
-	if err != nil {
-		if fd >= 0 { // created, then the thread failed to come back
-			unix.Close(fd)
-		}
-		return -1, fmt.Errorf("redirect: sock_diag socket in netns %s: %w", ns.Name(), err)
-	}
-	// Connected to the kernel, the socket takes no message another process
-	// of the pod could send it (a forged listener).
-	if err := unix.Connect(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
-		unix.Close(fd)
-		return -1, fmt.Errorf("redirect: connect sock_diag socket: %w", err)
-	}
-	return fd, nil
-}
-
 // The sock_diag ABI (linux/inet_diag.h, linux/sock_diag.h): a struct
-// inet_diag_req_v2 after the netlink header asks; each answer is a struct
-// inet_diag_msg after its header.
+// inet_diag_req_v2 asks; each answer is a struct inet_diag_msg.
 const (
-	nlmsgHdrLen      = unix.SizeofNlMsghdr // 16
-	inetDiagReqV2Len = 56                  // family, protocol, ext, pad, states; inet_diag_sockid (48)
-	inetDiagMsgLen   = 72                  // family, state, timer, retrans; inet_diag_sockid; 5 × u32
-	tcpListen        = 10                  // TCP_LISTEN in include/net/tcp_states.h
-	// diagRecvBuf holds any datagram of a dump: the kernel fills each up to
-	// the largest buffer its reader has offered, capped at 32 KiB, or one
-	// page (NLMSG_GOODSIZE, at most 8 KiB) before the first read.
-	diagRecvBuf = 32 << 10
+	inetDiagReqV2Len = 56 // family, protocol, ext, pad, states; inet_diag_sockid (48)
+	inetDiagMsgLen   = 72 // family, state, timer, retrans; inet_diag_sockid; 5 × u32
+	tcpListen        = 10 // TCP_LISTEN in include/net/tcp_states.h
 	// A dump the kernel marks as interrupted (the table changed under it) is
 	// read again, this many times at most.
 	dumpAttempts = 3
 )
 
-var errDumpInterrupted = errors.New("sock_diag dump interrupted")
+// diagRequest is an inet_diag_req_v2 for TCP sockets of family in the
+// LISTEN state, with no extensions (no tcp_info).
+func diagRequest(family uint8) []byte {
+	r := make([]byte, inetDiagReqV2Len)
+	r[0] = family
+	r[1] = unix.IPPROTO_TCP
+	binary.NativeEndian.PutUint32(r[4:], 1<<tcpListen)
+	return r
+}
+
+// listenerPort calls listener with the local port of a sock_diag answer
+// that is a TCP listener.
+func listenerPort(listener func(port uint16)) func(typ uint16, msg []byte) {
+	return func(typ uint16, msg []byte) {
+		// The kernel filtered on the state asked for; checked all the
+		// same, as it costs nothing.
+		if typ == unix.SOCK_DIAG_BY_FAMILY && len(msg) >= inetDiagMsgLen && msg[1] == tcpListen {
+			listener(binary.BigEndian.Uint16(msg[4:])) // idiag_sport
+		}
+	}
+}
+
+// lookUpListener asks the kernel which socket a TCP connection to the
+// loopback address of family on port would reach, and calls listener with
+// port if it is a listener. unix.ENOENT: none.
+func lookUpListener(nl *netns.Netlink, family Family, port uint16, listener func(port uint16)) error {
+	r := diagRequest(unix.AF_INET)
+	// inet_diag_sockid: sport, dport, src, dst, if, cookie. The kernel
+	// looks up a connection from dst:dport to src:sport; dst and dport
+	// stay zero, which only a listener accepts.
+	binary.BigEndian.PutUint16(r[8:], port)
+	if family == IPv4 {
+		copy(r[12:], []byte{127, 0, 0, 1})
+	} else {
+		r[0] = unix.AF_INET6
+		r[12+15] = 1 // ::1
+	}
+	// No cookie: whichever socket is found.
+	binary.NativeEndian.PutUint32(r[48:], ^uint32(0))
+	binary.NativeEndian.PutUint32(r[52:], ^uint32(0))
+	return nl.Request(unix.SOCK_DIAG_BY_FAMILY, 0, r, listenerPort(listener))
+}
 
 // dumpListeners asks for the TCP sockets of family in the LISTEN state and
-// calls listener with the local port of each.
-func dumpListeners(fd int, buf []byte, family uint8, seq uint32, listener func(port uint16)) error {
+// calls listener with the local port of each. A dump interrupted and read
+// again may name a port twice: listener only marks ports.
+func dumpListeners(nl *netns.Netlink, family uint8, listener func(port uint16)) error {
 	var err error
 	for range dumpAttempts {
-		if err = dumpOnce(fd, buf, family, seq, listener); !errors.Is(err, errDumpInterrupted) {
+		err = nl.Request(unix.SOCK_DIAG_BY_FAMILY, unix.NLM_F_DUMP, diagRequest(family), listenerPort(listener))
+		if !errors.Is(err, netns.ErrDumpInterrupted) {
 			return err
 		}
 	}
 	return err
 }
-
-func dumpOnce(fd int, buf []byte, family uint8, seq uint32, listener func(port uint16)) error {
-	var req [nlmsgHdrLen + inetDiagReqV2Len]byte
-	ne := binary.NativeEndian
-	ne.PutUint32(req[0:], uint32(len(req)))
-	ne.PutUint16(req[4:], unix.SOCK_DIAG_BY_FAMILY)
-	ne.PutUint16(req[6:], unix.NLM_F_REQUEST|unix.NLM_F_DUMP)
-	ne.PutUint32(req[8:], seq)
-	// req[12:16], the port id, is 0: the kernel fills in ours.
-	r := req[nlmsgHdrLen:]
-	r[0] = family
-	r[1] = unix.IPPROTO_TCP
-	// r[2], the extensions asked for, stays 0: none.
-	ne.PutUint32(r[4:], 1<<tcpListen)
-	// The socket id stays zero: every socket of the family in those states.
-	if err := unix.Send(fd, req[:], 0); err != nil {
-		return err
-	}
-
-	// A dump's listeners go to listener as they come, so one interrupted
-	// and read again may name a port twice: listener only marks ports.
-	interrupted := false
-	for {
-		n, from, err := unix.Recvfrom(fd, buf, unix.MSG_TRUNC)
-		if err != nil {
-			if errors.Is(err, unix.EINTR) {
-				continue
-			}
-			return err
-		}
-		if sa, ok := from.(*unix.SockaddrNetlink); !ok || sa.Pid != 0 {
-			continue // not from the kernel (a connected socket takes none)
-		}
-		if n > len(buf) {
-			return fmt.Errorf("sock_diag answer of %d bytes overflows the %d-byte buffer", n, len(buf))
-		}
-		for b := buf[:n]; len(b) >= nlmsgHdrLen; {
-			msgLen := int(ne.Uint32(b[0:]))
-			if msgLen < nlmsgHdrLen || msgLen > len(b) {
-				return fmt.Errorf("malformed sock_diag answer: message of %d bytes in %d", msgLen, len(b))
-			}
-			typ, flags, msgSeq := ne.Uint16(b[4:]), ne.Uint16(b[6:]), ne.Uint32(b[8:])
-			payload := b[nlmsgHdrLen:msgLen]
-			b = b[min(nlmAlign(msgLen), len(b)):]
-			if msgSeq != seq {
-				continue // an answer to an earlier request of ours
-			}
-			if flags&unix.NLM_F_DUMP_INTR != 0 {
-				interrupted = true
-			}
-			switch typ {
-			case unix.NLMSG_DONE, unix.NLMSG_ERROR:
-				// Both carry an int: 0, or a negated errno.
-				if len(payload) >= 4 {
-					if errno := int32(ne.Uint32(payload)); errno != 0 {
-						return unix.Errno(-errno)
-					}
-				}
-				if interrupted {
-					return errDumpInterrupted
-				}
-				return nil
-			case unix.SOCK_DIAG_BY_FAMILY:
-				if len(payload) < inetDiagMsgLen {
-					return fmt.Errorf("malformed sock_diag answer: inet_diag_msg of %d bytes", len(payload))
-				}
-				// The kernel filtered on the state asked for; checked
-				// all the same, as it costs nothing.
-				if payload[1] == tcpListen {
-					listener(binary.BigEndian.Uint16(payload[4:])) // idiag_sport
-				}
-			}
-		}
-	}
-}
-
-func nlmAlign(n int) int { return (n + unix.NLMSG_ALIGNTO - 1) &^ (unix.NLMSG_ALIGNTO - 1) }
 
 // ipv6Absent reports the answers of a kernel or namespace without IPv6 to
 // an IPv6 dump.

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 )
@@ -86,6 +87,21 @@ func TestListeningFindsTheNetnsListeners(t *testing.T) {
 	expectMissing(t, pod, ports, 15021, 80)
 	expectMissing(t, pod, []uint16{portDNS, 80, portOutbound, 80}, 80, 80)
 	expectMissing(t, pod, nil)
+
+	// What a lookup at the loopback address cannot find, the dump does:
+	// a listener on IPv6 loopback alone, and one on another address alone
+	// (not one the pod has: bound with IP_FREEBIND).
+	listenIn(t, pod, "tcp6", "[::1]:15021")
+	socketIn(t, pod, unix.AF_INET, unix.SOCK_STREAM, func(fd int) error {
+		if err := unix.SetsockoptInt(fd, unix.IPPROTO_IP, unix.IP_FREEBIND, 1); err != nil {
+			return err
+		}
+		if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{192, 0, 2, 7}, Port: 80}); err != nil {
+			return err
+		}
+		return unix.Listen(fd, 1)
+	})
+	expectMissing(t, pod, ports)
 }
 
 // What listens in the caller's namespace, or in the machine's, is not the
@@ -217,7 +233,7 @@ func TestListeningLeaksNoFileDescriptors(t *testing.T) {
 			t.Fatal("Listening in /dev/null succeeded")
 		}
 	}
-	requireNoFDLeak(t, 200, "cycles of Listening", cycle)
+	testkit.RequireNoFDLeak(t, 200, "cycles of Listening", cycle)
 }
 
 // BenchmarkListening is what the verifier pays per pod: one netns with
