@@ -381,7 +381,8 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	}
 	p.conditions = podcondition.New(podcondition.Config{Client: p.client, Logger: a.log, Current: p.pods.cachedPod, Observer: a.Metrics.PodConditions()})
 	p.presence = newZtunnelPresence(cfg.ZtunnelGrace)
-	p.verifier = newVerifier(cfg.VerifyPeriod, func(ctx context.Context) { p.pipeline.VerifyAll(ctx, p.pods.cachedPod) }, p.activity)
+	round := &verifyRound{pipeline: func() *enroll.Pipeline { return p.pipeline }, pods: p.pods, sweepEvery: enroll.DefaultSweepEvery}
+	p.verifier = newVerifier(cfg.VerifyPeriod, round.run, p.activity)
 	p.pipeline = enroll.New(enroll.Config{
 		Records:     p.records,
 		Policy:      policy,

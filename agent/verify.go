@@ -8,6 +8,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
@@ -203,4 +204,33 @@ func (c *podCache) cachedPod(key types.NamespacedName) *corev1.Pod {
 		return nil
 	}
 	return pod
+}
+
+// nodePods are the pods the agent's cache holds: this node's.
+func (c *podCache) nodePods() []*corev1.Pod {
+	pods, err := c.pods.List(labels.Everything())
+	if err != nil {
+		return nil
+	}
+	return pods
+}
+
+// verifyRound is one round of the verifier: every enrolled pod re-proven,
+// and, every sweepEvery (and at the first round, the agent's start), the
+// pods outside the mesh swept for inpod's rules. Run by the verifier's
+// goroutine only.
+type verifyRound struct {
+	pipeline   func() *enroll.Pipeline
+	pods       *podCache
+	sweepEvery time.Duration
+	sweptAt    time.Time
+}
+
+func (r *verifyRound) run(ctx context.Context) {
+	p := r.pipeline()
+	p.VerifyAll(ctx, r.pods.cachedPod)
+	if r.sweptAt.IsZero() || time.Since(r.sweptAt) >= r.sweepEvery {
+		p.SweepOutside(ctx, r.pods.nodePods())
+		r.sweptAt = time.Now()
+	}
 }

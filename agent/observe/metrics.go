@@ -105,7 +105,7 @@ func NewMetrics() *Metrics {
 			Help:    "How long one round of the verifier took (all enrolled pods and the probe exemptions).",
 			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10}}),
 		repairs: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_redirection_repairs_total",
-			Help: "Losses of redirection the verifier found and repaired, by kind (sandbox, rules, ztunnel, listeners, probe-exemption)."}, []string{"kind"}),
+			Help: "Losses of redirection the verifier found and repaired, by kind (sandbox, rules, ztunnel, listeners, probe-exemption; outside-mesh-rules: inpod's rules removed from a pod outside the mesh)."}, []string{"kind"}),
 		unproven: prometheus.NewGauge(prometheus.GaugeOpts{Name: "inpod_pods_unproven",
 			Help: "Enrolled pods whose redirection the last verification could not prove (their inpod.dev/redirected condition is False)."}),
 	}
