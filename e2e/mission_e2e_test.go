@@ -240,6 +240,11 @@ func TestE2EMission(t *testing.T) {
 		}
 		echo("before")
 		appState := podState(t, ctx, node, "mesh", "app")
+		// Rules an agent killed mid-removal could leave: inpod's table, as
+		// the enrolled pod has it, in the plain pod's netns. The new agent
+		// must sweep them out at its start.
+		peerNS := podNetns(t, peer.Status.PodIP)
+		strayRules(t, netns, peerNS)
 		old := agentReady(t, ctx, node)
 		if err := client.CoreV1().Pods(chart.Namespace).Delete(ctx, old, metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
@@ -256,6 +261,7 @@ func TestE2EMission(t *testing.T) {
 			t.Fatalf("the enrolled pod was disturbed: %s, was %s", got, appState)
 		}
 		c.inbound(t, app)
+		c.sweptAtStart(t, peer, peerNS)
 	})
 	if !ok {
 		return

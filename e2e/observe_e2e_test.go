@@ -32,7 +32,7 @@ import (
 // over netlink in this process: other tests on the machine may leave
 // hundreds of netns there, and an exec of ip per netns per pod made a check
 // of 100 pods take many minutes on a loaded machine.
-func podNetns(t *testing.T, ip string) string {
+func podNetns(t testing.TB, ip string) string {
 	t.Helper()
 	want, err := netip.ParseAddr(ip)
 	if err != nil {
@@ -68,7 +68,7 @@ func netnsHolds(path string, ip netip.Addr) bool {
 // netnsRuleset is the nf_tables ruleset of a netns with object handles and
 // without counters (-s): a table deleted and written again gets new
 // handles, so equal output means nothing was rewritten.
-func netnsRuleset(t *testing.T, netns string) string {
+func netnsRuleset(t testing.TB, netns string) string {
 	t.Helper()
 	out, err := exec.Command("ip", "netns", "exec", netns, "nft", "-a", "-s", "list", "ruleset").CombinedOutput()
 	if err != nil {

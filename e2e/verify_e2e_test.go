@@ -17,12 +17,15 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/netns"
 )
 
@@ -353,6 +356,10 @@ func (c *chartNode) verifierRepairs(t *testing.T, app, peer *corev1.Pod) {
 		t.Logf("SKIPPED the readiness-gate check: %s has no readiness gate %s", app.Name, enroll.RedirectedCondition)
 	}
 
+	// Sequence 1 of issue 35, on the same pod while the plain pod is
+	// still watched.
+	c.relabelAfterStalledDel(t, app, appNS, before)
+
 	// The plain pod, watched from the start over at least two periods and
 	// two rounds of the verifier.
 	var now float64
@@ -370,6 +377,130 @@ func (c *chartNode) verifierRepairs(t *testing.T, app, peer *corev1.Pod) {
 		t.Logf("the plain pod %s's netns: none of inpod's rules in %d samples over %s (%v verifier rounds)",
 			peer.Name, samples, time.Since(start).Round(time.Second), now-rounds)
 	}
+}
+
+// relabelAfterStalledDel is a partly failed unenroll followed by a relabel:
+// with ztunnel (the stand-in) frozen, app is labelled out of the mesh, so
+// the agent takes its rules out and its ZDS Del stalls; the label comes
+// off again (a GitOps self-heal) before the Del has timed out; then ztunnel
+// runs again. app must be redirected again (the same rules, traffic at
+// ztunnel's listener) within repairBound of ztunnel's return: it is in the
+// mesh, and nothing else will restart it.
+func (c *chartNode) relabelAfterStalledDel(t *testing.T, app *corev1.Pod, appNS, rules string) {
+	ctx := c.ctx
+	standIns := containerProcs(c.Containerd, "ztunnel-standin")
+	if len(standIns) == 0 {
+		t.Fatal("no ztunnel-standin process to freeze")
+	}
+	resume := func() {
+		for _, pid := range standIns {
+			unix.Kill(pid, unix.SIGCONT)
+		}
+	}
+	t.Cleanup(resume)
+	label := func(value string) {
+		t.Helper()
+		patch := fmt.Sprintf(`{"metadata":{"labels":{%q:%s}}}`, enroll.DataplaneModeLabel, value)
+		if _, err := c.Client.CoreV1().Pods(app.Namespace).Patch(ctx, app.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, pid := range standIns {
+		if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
+			t.Fatal(err)
+		}
+	}
+	label(strconv.Quote(enroll.DataplaneNone))
+	unlabelled := time.Now()
+	if err := pollFor(5*time.Second, func() bool {
+		r, _, err := netnsRules(appNS)
+		return err == nil && !hasInpodRules(r)
+	}); err != nil {
+		t.Fatalf("%s labelled %s=%s: its rules still there after 5 s; the sequence needs them gone while ztunnel stalls the Del", app.Name, enroll.DataplaneModeLabel, enroll.DataplaneNone)
+	}
+	label("null")
+	relabelled := time.Since(unlabelled)
+	// The Del stalls until the agent gives up on ztunnel and drops the
+	// connection: the failure the sequence is about.
+	if err := pollFor(30*time.Second, func() bool { return agentMetric(agentMetricsPort, "inpod_ztunnel_connections") == 0 }); err != nil {
+		t.Fatalf("the agent kept its connection to the frozen ztunnel: the Del did not fail")
+	}
+	resume()
+	resumed := time.Now()
+	t.Logf("%s unlabelled with ztunnel frozen, its rules gone, relabelled after %s; the Del failed; ztunnel resumed after %s",
+		app.Name, relabelled.Round(10*time.Millisecond), resumed.Sub(unlabelled).Round(10*time.Millisecond))
+
+	last := ""
+	if err := pollFor(repairBound, func() bool {
+		r, _, err := netnsRules(appNS)
+		last = r
+		return err == nil && withoutHandles(r) == withoutHandles(rules)
+	}); err != nil {
+		t.Errorf("relabelled %s not redirected again within %s of ztunnel's return; its netns:\n%s", app.Name, repairBound, last)
+		return
+	}
+	t.Logf("relabelled %s: its rules back %s after ztunnel's return", app.Name, time.Since(resumed).Round(10*time.Millisecond))
+	// ztunnel's listeners are bound in it again once ztunnel has its
+	// snapshot: the pod's own connections reach them.
+	var reply string
+	if err := pollFor(repairBound, func() bool {
+		var err error
+		reply, err = dialIn(appNS, "192.0.2.1:8080")
+		return err == nil && strings.Contains(reply, "ztunnel-standin port=15001")
+	}); err != nil {
+		t.Errorf("relabelled %s's own connection got %q, want ztunnel's outbound listener", app.Name, reply)
+	}
+}
+
+// strayRules writes inpod's rules into the netns /run/netns/to with the
+// backend the agent uses in /run/netns/from (an enrolled pod's): what a
+// path that failed to take a pod's rules out leaves.
+func strayRules(t *testing.T, from, to string) {
+	t.Helper()
+	name := "iptables-nft"
+	if strings.Contains(netnsRuleset(t, from), "table inet inpod") {
+		name = "nftables"
+	}
+	backend, _, err := redirect.NewBackend(name, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns, err := netns.Open(filepath.Join("/run/netns", to))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ns.Close()
+	if _, err := redirect.NewEngine(backend).Apply(ns, redirect.Options{}); err != nil {
+		t.Fatalf("write inpod's rules (%s) into %s: %v", name, to, err)
+	}
+	if r, _, err := netnsRules(to); err != nil || !hasInpodRules(r) {
+		t.Fatalf("the stray rules did not take in %s (%v)", to, err)
+	}
+}
+
+// sweptAtStart checks that an agent that has just started has swept the
+// plain pod peer's netns (/run/netns/peerNS) free of inpod's rules, with
+// an Event on peer saying so.
+func (c *chartNode) sweptAtStart(t *testing.T, peer *corev1.Pod, peerNS string) {
+	last := ""
+	if err := pollFor(repairBound, func() bool {
+		r, _, err := netnsRules(peerNS)
+		last = r
+		return err == nil && !hasInpodRules(r)
+	}); err != nil {
+		t.Errorf("the plain pod %s still holds inpod's rules %s after the new agent was Ready:\n%s", peer.Name, repairBound, last)
+		return
+	}
+	var msg string
+	if err := pollFor(10*time.Second, func() bool {
+		n, m, err := eventCount(c.ctx, c, peer, enroll.EventRemovedOutside, "")
+		msg = m
+		return err == nil && n > 0
+	}); err != nil {
+		t.Errorf("no %s Event on the plain pod %s", enroll.EventRemovedOutside, peer.Name)
+		return
+	}
+	t.Logf("the new agent swept the plain pod %s: %s", peer.Name, msg)
 }
 
 // pollFor is testkit.Poll for a check that reports its own failure.
