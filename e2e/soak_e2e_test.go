@@ -20,6 +20,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
@@ -1282,6 +1283,7 @@ func (s *soak) checkLive() {
 			heldIn[p] = id
 		}
 	}
+	s.checkConditions(live)
 	var mismatches []string
 	err := testkit.Poll(2*time.Minute, "the one stand-in running every enrolled pod in its netns", func() (bool, error) {
 		mismatches = nil
@@ -1300,6 +1302,47 @@ func (s *soak) checkLive() {
 	if err != nil {
 		for _, m := range mismatches {
 			s.violate("%s", m)
+		}
+	}
+}
+
+// checkConditions judges the agent's proof as users see it, once the node
+// has recovered: every live pod that carries the readiness gate
+// inpod.dev/redirected has the condition True and is Ready, within the
+// repair bound (a fault's last repair may still be settling): enrolled
+// pods with reason Redirected (their rules were just checked above),
+// pods outside the mesh with reason NotEnrolled (a namespace flip gave
+// them the gate; it must never hold back a pod outside the mesh).
+func (s *soak) checkConditions(live []*soakPod) {
+	pods := s.c.Client.CoreV1()
+	var wrong []string
+	err := testkit.Poll(repairBound, "every gated pod's condition True and the pod Ready", func() (bool, error) {
+		wrong = nil
+		for _, sp := range live {
+			p, err := pods.Pods(sp.ns).Get(s.ctx, sp.name, metav1.GetOptions{})
+			if err != nil {
+				if apierrors.IsNotFound(err) {
+					continue
+				}
+				return false, nil // the API: poll again
+			}
+			if !enroll.HasRedirectedGate(p) {
+				continue
+			}
+			want := "True/" + enroll.ReasonNotEnrolled
+			if sp.enrolled {
+				want = "True/" + enroll.ReasonRedirected
+			}
+			if got := conditionOf(p, enroll.RedirectedCondition); got != want || conditionOf(p, corev1.PodReady) != "True/" {
+				wrong = append(wrong, fmt.Sprintf("%s/%s (enrolled %v): condition %s %s, want %s; Ready %s", sp.ns, sp.name, sp.enrolled,
+					enroll.RedirectedCondition, got, want, conditionOf(p, corev1.PodReady)))
+			}
+		}
+		return len(wrong) == 0, nil
+	})
+	if err != nil {
+		for _, w := range wrong {
+			s.violate("at the end: %s", w)
 		}
 	}
 }
