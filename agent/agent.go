@@ -51,6 +51,10 @@ import (
 	"github.com/inpod-dev/inpod/zds"
 )
 
+// DefaultCNIOwnedFile sorts before the names primary CNIs use (05-cilium,
+// 10-calico, 10-flannel, 00-multus…), so the runtime picks it.
+const DefaultCNIOwnedFile = "00-inpod.conflist"
+
 // Config is everything the agent needs; cmd/inpod-agent fills it from
 // flags and INPOD_* variables.
 type Config struct {
@@ -67,6 +71,11 @@ type Config struct {
 	// InstallCNI false leaves the CNI configuration alone (tests that
 	// drive the plugin directly, or nodes set up by hand).
 	InstallCNI bool
+	// CNIOwnedFile is the file in CNIConfDir the agent owns: the primary's
+	// chain with inpod-cni last, named to sort first, kept while the agent
+	// is away. Empty: inpod-cni is chained into the primary's own file,
+	// which the primary may rewrite while the agent is away.
+	CNIOwnedFile string
 
 	RedirectBackend string // auto, nftables, iptables-nft, iptables-legacy
 	// EnrollmentLabel is the pod and namespace label that enrolls (default
@@ -463,7 +472,7 @@ func (a *Agent) newInstaller(p *pieces) (*cniinstall.Installer, error) {
 	cniWasInstalled := false // OnChange calls are sequential
 	return cniinstall.New(cniinstall.Config{
 		SourceDir: cfg.CNISourceDir, BinDir: cfg.CNIBinDir, ConfDir: cfg.CNIConfDir,
-		StateDir: filepath.Join(cfg.StateDir, "cni"), Logger: a.log,
+		StateDir: filepath.Join(cfg.StateDir, "cni"), Logger: a.log, OwnedFile: cfg.CNIOwnedFile,
 		Entry: cniinstall.Entry{AgentSocket: cfg.CNISocket, ExcludeNamespaces: cfg.ExcludedNamespaces,
 			APIAccess: p.apiAccessPath, PassList: p.passListPath},
 		OnChange: func(ok bool, reason string) {

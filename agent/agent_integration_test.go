@@ -248,11 +248,7 @@ func (w *world) cniAdd(pod *corev1.Pod, sandbox *netnstest.NetNS) (*types100.Res
 // pod, in the node netns, as a runtime would.
 func (w *world) cni(op string, pod *corev1.Pod, sandbox *netnstest.NetNS, containerID string) (*types100.Result, error) {
 	w.t.Helper()
-	files, _ := filepath.Glob(filepath.Join(w.confDir, "*.conflist"))
-	if len(files) != 1 {
-		w.t.Fatalf("conflists: %v", files)
-	}
-	list, err := libcni.ConfListFromFile(files[0])
+	list, _, err := testkit.RuntimeConfig(w.confDir)
 	if err != nil {
 		w.t.Fatal(err)
 	}

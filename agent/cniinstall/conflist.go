@@ -161,8 +161,10 @@ func jsonEqual(a, b []byte) bool {
 }
 
 // primaryConfig finds the file a runtime would use: the lexicographically
-// first file with a CNI extension that parses as a valid configuration.
-func primaryConfig(dir string) (string, *conflist, error) {
+// first file with a CNI extension that parses as a valid configuration,
+// not counting the file named skip (inpod's own, when finding the
+// primary's).
+func primaryConfig(dir, skip string) (string, *conflist, error) {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
 		return "", nil, err
@@ -180,6 +182,9 @@ func primaryConfig(dir string) (string, *conflist, error) {
 	sort.Strings(names)
 	var skipped []string
 	for _, name := range names {
+		if name == skip {
+			continue
+		}
 		data, err := os.ReadFile(filepath.Join(dir, name))
 		if err != nil {
 			skipped = append(skipped, fmt.Sprintf("%s: %v", name, err))

@@ -1,9 +1,25 @@
 // Package cniinstall puts inpod-cni on the node and keeps it there: it
 // copies the plugin and its companion binary into the CNI bin dir
-// atomically, chains the plugin last into the node's primary network
-// configuration, and watches both so that a CNI that rewrites its file
-// (dropping inpod) is repaired, with the node reported not ready until it
-// is. Uninstall restores what it found.
+// atomically, puts the plugin last in the chain the runtime uses, and
+// watches both so that a CNI that rewrites its file is repaired, with the
+// node reported not ready until it is. Uninstall restores what it found.
+//
+// The chain lives in one of two places. Chained, inpod-cni is appended to
+// the primary CNI's own file: a primary that rewrites its file while the
+// agent is away (its installer runs on every start, so at every reboot)
+// takes inpod out of the chain until the agent is back, and sandboxes
+// started meanwhile run without it. Owned, inpod writes its own file,
+// named to sort before the primary's so the runtime uses it, holding the
+// primary's plugins and inpod-cni last, and leaves the primary's file
+// alone: a rewrite of the primary's file no longer changes the chain the
+// runtime uses, agent or no agent; while the agent runs the copy follows
+// the primary's file. The owned file stays when the agent stops or
+// restarts and goes only with Uninstall, so the plugin keeps failing
+// enrolled pods closed while the agent is away. The price: while the agent
+// is away the copy can go stale (a primary upgraded then keeps its old
+// plugin settings in the chain until the agent is back), and a primary
+// that removes every other file from the directory (Cilium's
+// cni.exclusive) removes inpod's too.
 package cniinstall
 
 import (
@@ -57,9 +73,15 @@ type Config struct {
 	SourceDir string
 	BinDir    string // default /opt/cni/bin
 	ConfDir   string // default /etc/cni/net.d
-	// StateDir keeps the originals of files inpod changed, for Uninstall.
+	// StateDir keeps the originals of files inpod changed, and the name
+	// of the file it owns, for Uninstall and for a change of mode.
 	StateDir string // default /var/lib/inpod/cni
-	Entry    Entry
+	// OwnedFile, when set, is the file in ConfDir inpod owns (owned mode,
+	// see the package doc); empty chains into the primary's file. The
+	// name must sort before the primary's: Check reports the node not
+	// installed, naming the file that wins, when it does not.
+	OwnedFile string
+	Entry     Entry
 	// Resync re-checks even without file events (default 30 s).
 	Resync time.Duration
 	// MaxRepairsPerMinute above which repairs pause and a loud warning is
@@ -106,6 +128,9 @@ func New(cfg Config) (*Installer, error) {
 	if cfg.MaxRepairsPerMinute <= 0 {
 		cfg.MaxRepairsPerMinute = 5
 	}
+	if n := cfg.OwnedFile; n != "" && (n != filepath.Base(n) || filepath.Ext(n) != ".conflist") {
+		return nil, fmt.Errorf("cniinstall: the owned CNI configuration %q must be a file name ending in .conflist", n)
+	}
 	want := map[string]digest{}
 	for _, name := range binaries {
 		d, err := digestOf(filepath.Join(cfg.SourceDir, name))
@@ -133,8 +158,9 @@ type Status struct {
 	Reason   string
 }
 
-// Check reports, reading only, whether the binary is in place and inpod is
-// the last plugin of the primary configuration.
+// Check reports, reading only, whether the binaries are in place and the
+// configuration the runtime uses ends with inpod's entry (owned mode: is
+// inpod's file, an exact copy of the primary's with the entry last).
 func (i *Installer) Check() Status {
 	for _, name := range binaries {
 		bin := filepath.Join(i.cfg.BinDir, name)
@@ -146,7 +172,15 @@ func (i *Installer) Check() Status {
 			return Status{Reason: fmt.Sprintf("plugin binary %s differs from this agent's", bin)}
 		}
 	}
-	path, list, err := primaryConfig(i.cfg.ConfDir)
+	if i.cfg.OwnedFile != "" {
+		return i.checkOwned()
+	}
+	if left := i.recordedOwned(); left != "" {
+		if _, err := os.Stat(filepath.Join(i.cfg.ConfDir, left)); err == nil {
+			return Status{Reason: fmt.Sprintf("%s, left from the owned mode, comes first in %s", left, i.cfg.ConfDir)}
+		}
+	}
+	path, list, err := primaryConfig(i.cfg.ConfDir, "")
 	if err != nil {
 		return Status{Reason: err.Error()}
 	}
@@ -156,27 +190,69 @@ func (i *Installer) Check() Status {
 	return Status{Installed: true, Conflist: path}
 }
 
-// Install copies the binaries and chains the plugin into the primary
-// configuration; when both are already right it writes nothing.
+func (i *Installer) checkOwned() Status {
+	owned := filepath.Join(i.cfg.ConfDir, i.cfg.OwnedFile)
+	primaryPath, primary, err := primaryConfig(i.cfg.ConfDir, i.cfg.OwnedFile)
+	if err != nil {
+		return Status{Conflist: owned, Reason: err.Error()}
+	}
+	want, err := primary.withEntry(i.entry).marshal()
+	if err != nil {
+		return Status{Conflist: owned, Reason: err.Error()}
+	}
+	data, err := os.ReadFile(owned)
+	if err != nil {
+		return Status{Conflist: owned, Reason: fmt.Sprintf("inpod's CNI configuration: %v", err)}
+	}
+	if !jsonEqual(data, want) {
+		return Status{Conflist: owned, Reason: fmt.Sprintf("%s is not %s with inpod-cni last: the primary changed, or the copy did", owned, primaryPath)}
+	}
+	if used, _, err := primaryConfig(i.cfg.ConfDir, ""); err != nil || used != owned {
+		return Status{Conflist: owned, Reason: fmt.Sprintf("the runtime uses %s, not %s: name inpod's file to sort before it", used, owned)}
+	}
+	return Status{Installed: true, Conflist: owned}
+}
+
+// Install copies the binaries and puts inpod-cni last in the chain the
+// runtime uses; when both are already right it writes nothing.
 func (i *Installer) Install() (Status, error) {
 	for _, name := range binaries {
 		if err := i.installBinary(name); err != nil {
 			return Status{Reason: err.Error()}, err
 		}
 	}
-	path, list, err := primaryConfig(i.cfg.ConfDir)
+	if i.cfg.OwnedFile != "" {
+		return i.installOwned()
+	}
+	// A file left from the owned mode sorts first: chain the primary's
+	// before it goes, so the runtime never sees a chain without inpod.
+	left := i.recordedOwned()
+	path, list, err := primaryConfig(i.cfg.ConfDir, left)
 	if err != nil {
 		return Status{Reason: err.Error()}, err
 	}
-	if !list.fromConf && list.hasEntryLast(i.entry) {
-		return Status{Installed: true, Conflist: path}, nil
+	if list.fromConf || !list.hasEntryLast(i.entry) {
+		if path, err = i.chain(path, list); err != nil {
+			return Status{Reason: err.Error()}, err
+		}
 	}
+	if left != "" {
+		if err := i.forgetOwned(left); err != nil {
+			return Status{Reason: err.Error()}, err
+		}
+	}
+	return Status{Installed: true, Conflist: path}, nil
+}
+
+// chain appends inpod's entry to the primary's file and returns the file
+// written.
+func (i *Installer) chain(path string, list *conflist) (string, error) {
 	if err := i.backup(path); err != nil {
-		return Status{Reason: err.Error()}, err
+		return "", err
 	}
 	data, err := list.withEntry(i.entry).marshal()
 	if err != nil {
-		return Status{Reason: err.Error()}, err
+		return "", err
 	}
 	target := path
 	if list.fromConf {
@@ -185,15 +261,134 @@ func (i *Installer) Install() (Status, error) {
 		target = strings.TrimSuffix(path, filepath.Ext(path)) + ".conflist"
 	}
 	if err := writeFile(target, data, fileMode(path)); err != nil {
-		return Status{Reason: err.Error()}, err
+		return "", err
 	}
 	if target != path {
 		if err := os.Remove(path); err != nil {
-			return Status{Reason: err.Error()}, fmt.Errorf("cniinstall: remove converted %s: %w", path, err)
+			return "", fmt.Errorf("cniinstall: remove converted %s: %w", path, err)
 		}
 	}
 	i.log.Info("chained inpod-cni into the primary CNI configuration", "file", target)
-	return Status{Installed: true, Conflist: target}, nil
+	return target, nil
+}
+
+// installOwned writes inpod's file from the primary's. With no primary
+// there is no chain to copy: inpod's file goes too, as the runtime would
+// have no configuration without inpod, rather than keep a chain of plugins
+// the node no longer has.
+func (i *Installer) installOwned() (Status, error) {
+	owned := filepath.Join(i.cfg.ConfDir, i.cfg.OwnedFile)
+	primaryPath, primary, err := primaryConfig(i.cfg.ConfDir, i.cfg.OwnedFile)
+	if err != nil {
+		if errors.Is(err, errNoConfig) && i.recordedOwned() == i.cfg.OwnedFile {
+			if rmErr := os.Remove(owned); rmErr == nil {
+				i.log.Warn("removed inpod's CNI configuration: the primary's is gone", "file", owned)
+			}
+		}
+		return Status{Conflist: owned, Reason: err.Error()}, err
+	}
+	data, err := primary.withEntry(i.entry).marshal()
+	if err != nil {
+		return Status{Conflist: owned, Reason: err.Error()}, err
+	}
+	if !i.mayWriteOwned(owned) {
+		err := fmt.Errorf("cniinstall: %s exists and is not inpod's (never written by inpod, and its chain does not end with inpod-cni); not overwriting it: choose another --cni-owned-config-file", owned)
+		return Status{Conflist: owned, Reason: err.Error()}, err
+	}
+	// The record first: a crash after the write still leaves the name
+	// for Uninstall and for a change of mode.
+	renamed, err := i.recordOwned()
+	if err != nil {
+		return Status{Conflist: owned, Reason: err.Error()}, err
+	}
+	if cur, err := os.ReadFile(owned); err != nil || !jsonEqual(cur, data) {
+		if err := writeFile(owned, data, 0o644); err != nil {
+			return Status{Conflist: owned, Reason: err.Error()}, err
+		}
+		i.log.Info("wrote inpod's CNI configuration from the primary's", "file", owned, "primary", primaryPath)
+	}
+	if renamed != "" {
+		if err := os.Remove(filepath.Join(i.cfg.ConfDir, renamed)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return Status{Conflist: owned, Reason: err.Error()}, fmt.Errorf("cniinstall: %w", err)
+		}
+	}
+	// An entry left in the primary's file by the chained mode goes once
+	// inpod's file is in place, so nothing but inpod's file chains it.
+	if len(primary.without().plugins) != len(primary.plugins) {
+		if err := i.unchain(filepath.Base(primaryPath)); err != nil {
+			return Status{Conflist: owned, Reason: err.Error()}, err
+		}
+	}
+	if st := i.checkOwned(); !st.Installed {
+		return st, errors.New(st.Reason)
+	}
+	return Status{Installed: true, Conflist: owned}, nil
+}
+
+// mayWriteOwned says whether the file at path may be (over)written as
+// inpod's own: it does not exist, inpod recorded it, or its chain ends with
+// inpod-cni (inpod's, its record lost). A name given by mistake that is the
+// primary's own file (or any other CNI's) is refused rather than replaced.
+func (i *Installer) mayWriteOwned(path string) bool {
+	if i.recordedOwned() == i.cfg.OwnedFile {
+		return true
+	}
+	data, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return true
+	}
+	if err != nil {
+		return false
+	}
+	list, err := parseConfFile(data)
+	return err == nil && len(list.plugins) > 0 && pluginType(list.plugins[len(list.plugins)-1]) == PluginType
+}
+
+// ownedRecord names the file holding the owned file's name.
+func (i *Installer) ownedRecord() string { return filepath.Join(i.cfg.StateDir, "owned-file") }
+
+func (i *Installer) recordedOwned() string {
+	data, err := os.ReadFile(i.ownedRecord())
+	if err != nil {
+		return ""
+	}
+	// Only a plain name in ConfDir: the record is inpod's, but a name
+	// with a path in it would make Uninstall remove a file elsewhere.
+	name := strings.TrimSpace(string(data))
+	if name != filepath.Base(name) || name == "." || name == ".." {
+		return ""
+	}
+	return name
+}
+
+// recordOwned records the owned file's name and returns the one recorded
+// before, when it differs: the caller removes that file once the new one
+// is in place.
+func (i *Installer) recordOwned() (previous string, err error) {
+	old := i.recordedOwned()
+	if old == i.cfg.OwnedFile {
+		return "", nil
+	}
+	if err := os.MkdirAll(i.cfg.StateDir, 0o700); err != nil {
+		return "", fmt.Errorf("cniinstall: %w", err)
+	}
+	return old, writeFile(i.ownedRecord(), []byte(i.cfg.OwnedFile+"\n"), 0o600)
+}
+
+// forgetOwned removes a file the owned mode wrote, and its record.
+func (i *Installer) forgetOwned(name string) error {
+	path := filepath.Join(i.cfg.ConfDir, name)
+	err := os.Remove(path)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("cniinstall: %w", err)
+	}
+	if err == nil {
+		i.log.Info("removed inpod's CNI configuration", "file", path)
+	}
+	if err := os.Remove(i.ownedRecord()); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("cniinstall: %w", err)
+	}
+	return nil
 }
 
 func (i *Installer) installBinary(name string) error {
@@ -237,64 +432,81 @@ func (i *Installer) backup(path string) error {
 	return writeFile(dst, data, 0o600)
 }
 
-// Uninstall takes inpod out of every configuration in the conf dir,
-// restoring a file's original bytes when nothing else changed it since,
-// and removes the binaries. Used when inpod is removed from the node, never
-// on an agent restart: while the agent is away the plugin stays, so
-// enrolled pods fail closed.
+// Uninstall removes inpod's own file, takes inpod out of every other
+// configuration in the conf dir, restoring a file's original bytes when
+// nothing else changed it since, and removes the binaries. Used when inpod
+// is removed from the node, never on an agent restart: while the agent is
+// away the plugin stays, so enrolled pods fail closed.
 func (i *Installer) Uninstall() error {
+	for _, name := range []string{i.cfg.OwnedFile, i.recordedOwned()} {
+		if name != "" {
+			if err := i.forgetOwned(name); err != nil {
+				return err
+			}
+		}
+	}
 	entries, err := os.ReadDir(i.cfg.ConfDir)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return err
 	}
-	originals := filepath.Join(i.cfg.StateDir, "originals")
 	for _, e := range entries {
-		path := filepath.Join(i.cfg.ConfDir, e.Name())
-		data, err := os.ReadFile(path)
-		if err != nil {
-			continue
+		if err := i.unchain(e.Name()); err != nil {
+			return err
 		}
-		list, err := parseConfFile(data)
-		if err != nil || len(list.without().plugins) == len(list.plugins) {
-			continue
-		}
-		stripped := list.without()
-		restored := false
-		for _, name := range []string{e.Name(), strings.TrimSuffix(e.Name(), ".conflist") + ".conf", strings.TrimSuffix(e.Name(), ".conflist") + ".json"} {
-			orig, err := os.ReadFile(filepath.Join(originals, name))
-			if err != nil {
-				continue
-			}
-			origList, err := parseConfFile(orig)
-			if err != nil || !sameList(origList, stripped) {
-				continue
-			}
-			if err := writeFile(filepath.Join(i.cfg.ConfDir, name), orig, fileMode(path)); err != nil {
-				return err
-			}
-			if name != e.Name() {
-				os.Remove(path)
-			}
-			restored = true
-			break
-		}
-		if !restored {
-			out, err := stripped.marshal()
-			if err != nil {
-				return err
-			}
-			if err := writeFile(path, out, fileMode(path)); err != nil {
-				return err
-			}
-		}
-		i.log.Info("removed inpod-cni from CNI configuration", "file", path, "restoredOriginal", restored)
 	}
 	for _, name := range binaries {
 		if err := os.Remove(filepath.Join(i.cfg.BinDir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return err
 		}
 	}
-	return os.RemoveAll(originals)
+	return os.RemoveAll(filepath.Join(i.cfg.StateDir, "originals"))
+}
+
+// unchain takes inpod's entries out of one file of the conf dir, restoring
+// its original when what is left is what inpod found.
+func (i *Installer) unchain(name string) error {
+	path := filepath.Join(i.cfg.ConfDir, name)
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil
+	}
+	list, err := parseConfFile(data)
+	if err != nil || len(list.without().plugins) == len(list.plugins) {
+		return nil
+	}
+	stripped := list.without()
+	originals := filepath.Join(i.cfg.StateDir, "originals")
+	restored := false
+	base := strings.TrimSuffix(name, ".conflist")
+	for _, orig := range []string{name, base + ".conf", base + ".json"} {
+		data, err := os.ReadFile(filepath.Join(originals, orig))
+		if err != nil {
+			continue
+		}
+		origList, err := parseConfFile(data)
+		if err != nil || !sameList(origList, stripped) {
+			continue
+		}
+		if err := writeFile(filepath.Join(i.cfg.ConfDir, orig), data, fileMode(path)); err != nil {
+			return err
+		}
+		if orig != name {
+			os.Remove(path)
+		}
+		restored = true
+		break
+	}
+	if !restored {
+		out, err := stripped.marshal()
+		if err != nil {
+			return err
+		}
+		if err := writeFile(path, out, fileMode(path)); err != nil {
+			return err
+		}
+	}
+	i.log.Info("removed inpod-cni from CNI configuration", "file", path, "restoredOriginal", restored)
+	return nil
 }
 
 func sameList(a, b *conflist) bool {
