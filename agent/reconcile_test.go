@@ -136,3 +136,4 @@ func (nop) Warn(*corev1.Pod, string, string)            {}
 func (nop) Enrolled(string, time.Duration)              {}
 func (nop) Failed(string)                               {}
 func (nop) Removed()                                    {}
+func (nop) RanUnredirected()                            {}

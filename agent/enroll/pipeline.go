@@ -86,6 +86,9 @@ type (
 		Enrolled(source string, took time.Duration)
 		Failed(reason string)
 		Removed()
+		// RanUnredirected counts enrolled pods an agent found, at its
+		// start, running in a sandbox nothing had redirected.
+		RanUnredirected()
 	}
 )
 
@@ -358,6 +361,10 @@ type sandbox struct {
 	// containerID is the runtime's sandbox id from the CNI request; ""
 	// when the sandbox was found through procfs, which does not tell it.
 	containerID string
+	// unrecorded: found by an agent at its start, for a pod no agent
+	// recorded or annotated. If its rules are missing too, it ran
+	// without redirection until now (see ranUnredirected).
+	unrecorded bool
 }
 
 // enroll takes ownership of sb.netns: it is kept on success, closed on
@@ -445,6 +452,9 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	loss, lossDetail := "", ""
 	changed, err := p.cfg.Rules.Apply(sb.netns)
 	rulesWritten = changed
+	if changed && sb.unrecorded {
+		p.ranUnredirected(pod)
+	}
 	if err != nil {
 		f := fail("RedirectionFailed", "apply redirection rules: %v", err)
 		if fromCNI {
@@ -527,6 +537,38 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	}
 	p.log.Info("pod enrolled", "pod", key, "uid", pod.UID, "netns", id, "containerID", sb.containerID, "ips", sb.ips)
 	return nil
+}
+
+// ranUnredirected tells the user that an enrolled pod ran without
+// redirection while no agent could act: its sandbox started with inpod-cni
+// out of the chain the runtime used (chained mode, the primary CNI
+// rewriting its file while the agent was away) and no gate held it, or it
+// joined the mesh while no agent ran. Said before it is redirected in
+// place, with how long it ran so.
+func (p *Pipeline) ranUnredirected(pod *corev1.Pod) {
+	p.cfg.Observer.RanUnredirected()
+	since, how := SandboxStarted(pod)
+	msg := "no agent recorded this pod, and its sandbox had no redirection rules: it ran outside the mesh"
+	if !since.IsZero() {
+		msg += fmt.Sprintf(" for %s (%s %s)", time.Since(since).Round(time.Second), how, since.UTC().Format(time.RFC3339))
+	}
+	msg += ", its sandbox set up while inpod-cni was not in the runtime's chain, or the pod joined the mesh while no inpod agent ran; redirecting it in place now"
+	p.cfg.Events.Warn(pod, "RanUnredirected", msg)
+	p.log.Warn("an enrolled pod ran without redirection while no agent ran", "pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID, "since", since)
+}
+
+// SandboxStarted is when the pod's current sandbox started, as the
+// kubelet reports it, and what that time is.
+func SandboxStarted(pod *corev1.Pod) (time.Time, string) {
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.PodReadyToStartContainers && c.Status == corev1.ConditionTrue && !c.LastTransitionTime.IsZero() {
+			return c.LastTransitionTime.Time, "since its sandbox became ready at"
+		}
+	}
+	if pod.Status.StartTime != nil {
+		return pod.Status.StartTime.Time, "since the pod started at"
+	}
+	return time.Time{}, ""
 }
 
 // dropExemptions ends the probe exemptions of a sandbox's IPs that the
@@ -699,7 +741,7 @@ func (p *Pipeline) Del(ctx context.Context, req *cnievent.Request) (cnievent.Out
 		p.verifySoon()
 		return cnievent.NotEnrolled, nil
 	}
-	if err := p.unenroll(ctx, uid, e); err != nil {
+	if err := p.unenroll(ctx, uid, e, false); err != nil {
 		return cnievent.Failed, err
 	}
 	return cnievent.Redirected, nil
@@ -817,11 +859,16 @@ func (p *Pipeline) Unenroll(ctx context.Context, uid types.UID) error {
 		}
 		return nil
 	}
-	return p.unenroll(ctx, uid, e)
+	return p.unenroll(ctx, uid, e, false)
 }
 
-// unenroll is Unenroll with the pod's lock held.
-func (p *Pipeline) unenroll(ctx context.Context, uid types.UID, e *entry) error {
+// unenroll is Unenroll with the pod's lock held. runsOn: the pod keeps
+// running outside the mesh (a label took it out), so its readiness gate is
+// set NotEnrolled; not after its sandbox's DEL, nor for a pod gone from the
+// API (or a removal, which releases every gate after): a write there
+// would be one more API write per pod deletion for a pod that is going,
+// and a recreated sandbox is enrolled again or released by the reconcile.
+func (p *Pipeline) unenroll(ctx context.Context, uid types.UID, e *entry, runsOn bool) error {
 	// Out of the table before the Del goes out, the mirror of an Add: a
 	// ztunnel that connects in between must not get the pod in its snapshot
 	// and then miss the Del, keeping a proxy for a pod that left the mesh.
@@ -854,7 +901,7 @@ func (p *Pipeline) unenroll(ctx context.Context, uid types.UID, e *entry) error 
 		return err
 	}
 	e.netns.Close()
-	if e.gated && p.cfg.Conditions != nil {
+	if runsOn && e.gated && p.cfg.Conditions != nil {
 		// Out of the mesh, the pod has nothing left to prove; the gate
 		// must not keep it from serving.
 		p.cfg.Conditions.Set(e.pod, uid, true, ReasonNotEnrolled, "the pod is not in the mesh")
@@ -1125,14 +1172,14 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 			return p.report(pod, fail("NetnsNotFound", "find the running pod's netns: %v", err))
 		}
 		start := time.Now()
-		if err := p.enroll(ctx, pod, sandbox{netns: f, ips: ips}, false); err != nil {
+		if err := p.enroll(ctx, pod, sandbox{netns: f, ips: ips, unrecorded: restoring && h == nil && !p.enrolledBefore(pod)}, false); err != nil {
 			hold(ips)
 			return err
 		}
 		p.cfg.Observer.Enrolled("reconcile", time.Since(start))
 		return nil
 	case !want && e != nil:
-		if err := p.unenroll(ctx, pod.UID, e); err != nil {
+		if err := p.unenroll(ctx, pod.UID, e, true); err != nil {
 			return err
 		}
 		if pod.DeletionTimestamp != nil && !finished {

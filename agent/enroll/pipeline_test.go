@@ -108,6 +108,8 @@ type recorder struct {
 	// withoutUID counts annotations asked for with no pod UID, which the
 	// writer would then write to any pod of that name.
 	withoutUID int
+	// ranUnredirected counts the Observer's calls.
+	ranUnredirected int
 }
 
 func (r *recorder) Warn(pod *corev1.Pod, reason, message string) {
@@ -138,6 +140,7 @@ func (r *recorder) reasons() []string {
 func (r *recorder) Enrolled(string, time.Duration) {}
 func (r *recorder) Failed(string)                  {}
 func (r *recorder) Removed()                       {}
+func (r *recorder) RanUnredirected()               { r.mu.Lock(); r.ranUnredirected++; r.mu.Unlock() }
 
 type fixture struct {
 	finder *countingFinder

@@ -7,7 +7,9 @@ import (
 	"net/netip"
 	"os"
 	"slices"
+	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -452,4 +454,51 @@ func TestFailedStartKeepsTheRecordOfRulesItFoundInPlace(t *testing.T) {
 	if !f.recorded(pod.UID) {
 		t.Fatal("the sandbox kept its rules but the pod lost its record")
 	}
+}
+
+// The agent was away and an enrolled pod's sandbox started without inpod
+// (chained mode, the primary's file rewritten meanwhile, no gate): at its
+// start the agent finds the pod running, with no record, no annotation and
+// no rules. The user is told, on the pod and in a counter, before the pod
+// is redirected in place. A pod the previous agent enrolled (record and
+// rules) gets no such word.
+func TestRestartReportsAPodThatRanUnredirected(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	kept, keptSB := f.pod("mesh", "kept", nil), f.sandbox()
+	if out, err := f.add(kept, keptSB, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	keptSB.RunAsPod(t, string(kept.UID))
+	f.running(kept, keptSB)
+
+	bare, bareSB := f.pod("mesh", "bare", nil), f.sandbox()
+	bareSB.RunAsPod(t, string(bare.UID))
+	running := f.running(bare, bareSB)
+	running.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReadyToStartContainers, Status: corev1.ConditionTrue,
+		LastTransitionTime: metav1.NewTime(time.Now().Add(-90 * time.Second))}}
+	f.cache.mu.Lock()
+	f.cache.pods["mesh/bare"] = running
+	f.cache.mu.Unlock()
+
+	f.restart(z)
+	if !hasRules(t, bareSB) {
+		t.Fatal("the pod that ran unredirected was not redirected in place")
+	}
+	var msgs []string
+	f.rec.mu.Lock()
+	for _, e := range f.rec.events {
+		if e.reason == "RanUnredirected" {
+			msgs = append(msgs, e.pod+": "+e.message)
+		}
+	}
+	counted := f.rec.ranUnredirected
+	f.rec.mu.Unlock()
+	if len(msgs) != 1 || !strings.HasPrefix(msgs[0], "mesh/bare: ") || !strings.Contains(msgs[0], "for 1m3") {
+		t.Fatalf("RanUnredirected events %q; want one, on mesh/bare, saying it ran so for about 1m30s", msgs)
+	}
+	if counted != 1 {
+		t.Fatalf("the observer counted %d pods that ran unredirected, want 1", counted)
+	}
+	f.checkKept(z, f.running(kept, keptSB), keptSB)
 }

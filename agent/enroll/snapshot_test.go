@@ -117,6 +117,7 @@ func (snapshotNop) Warn(*corev1.Pod, string, string)            {}
 func (snapshotNop) Enrolled(string, time.Duration)              {}
 func (snapshotNop) Failed(string)                               {}
 func (snapshotNop) Removed()                                    {}
+func (snapshotNop) RanUnredirected()                            {}
 
 // A ztunnel that connects while a pod is being removed gets a snapshot; if
 // the pod were still in it when the Del went out, that ztunnel would keep

@@ -525,3 +525,43 @@ func TestVerifierTrustsAnUnchangedGeneration(t *testing.T) {
 		t.Fatalf("a chain deleted after the generation was remembered went unseen: %+v", v)
 	}
 }
+
+// The readiness gate is released (True/NotEnrolled) for a pod that keeps
+// running outside the mesh, and only then: not at its sandbox's DEL (the
+// pod is going, or its next sandbox is enrolled or released on its own),
+// which cost one API write per deleted enrolled pod.
+func TestGateIsReleasedOnlyForAPodThatRunsOn(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	pod, sb := f.pod("mesh", "gated", nil), f.sandbox()
+	pod = f.gated(pod)
+	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	testkit.Eventually(t, waitFor, "the condition True/Redirected", func() bool {
+		c, ok := f.conds.of(pod.UID)
+		return ok && c.proven && c.reason == enroll.ReasonRedirected
+	})
+	if out, err := f.p.Del(context.Background(), request(cnievent.Del, pod, sb, "c1")); out != cnievent.Redirected || err != nil {
+		t.Fatalf("DEL = %q, %v", out, err)
+	}
+	if c, _ := f.conds.of(pod.UID); c.reason == enroll.ReasonNotEnrolled {
+		t.Fatal("a deleted sandbox's pod was written NotEnrolled: one more API write per pod deletion")
+	}
+
+	// Labelled out while it runs: released.
+	other, osb := f.pod("mesh", "leaving", nil), f.sandbox()
+	other = f.gated(other)
+	if out, err := f.add(other, osb, "c2"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	out := f.running(other, osb)
+	out.Labels = map[string]string{enroll.DataplaneModeLabel: "none"}
+	out.Spec.ReadinessGates = other.Spec.ReadinessGates
+	if err := f.p.Reconcile(context.Background(), out); err != nil {
+		t.Fatal(err)
+	}
+	if c, ok := f.conds.of(other.UID); !ok || !c.proven || c.reason != enroll.ReasonNotEnrolled {
+		t.Fatalf("condition of a pod labelled out while it runs = %+v (%v); want True/%s", c, ok, enroll.ReasonNotEnrolled)
+	}
+}

@@ -27,6 +27,7 @@ type Metrics struct {
 	enrollments       *prometheus.CounterVec
 	failures          *prometheus.CounterVec
 	removals          prometheus.Counter
+	ranUnredirected   prometheus.Counter
 	latency           *prometheus.HistogramVec
 	ztunnelConns      prometheus.Gauge
 	ready             prometheus.Gauge
@@ -64,6 +65,8 @@ func NewMetrics() *Metrics {
 			Help: "Pods enrolled, by how the agent learned of them (cni, reconcile)."}, []string{"source"}),
 		failures: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_enrollment_failures_total",
 			Help: "Failed enrollments, by reason."}, []string{"reason"}),
+		ranUnredirected: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_pods_ran_unredirected_total",
+			Help: "Enrolled pods an agent found at its start running in a sandbox with no redirection rules and no record of enrollment (Event RanUnredirected): they ran outside the mesh while no agent could act, until redirected in place"}),
 		removals: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_unenrollments_total",
 			Help: "Pods taken out of the mesh."}),
 		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "inpod_enrollment_duration_seconds",
@@ -114,7 +117,7 @@ func NewMetrics() *Metrics {
 	r.MustRegister(m.verifications, m.verifyLatency, m.repairs, m.unproven, m.podConditions)
 	r.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "inpod_enrolled_pods",
 		Help: "Pods the agent holds as enrolled (or held for a restore) now; a soak compares it with the pods that exist."}, m.trackedPods))
-	r.MustRegister(m.startupReleased, m.slicePublishes, m.sliceTaintChanges, m.sliceLatency, m.prepareRefusals, m.gateRegistrations, m.gateHealthFlips, m.conditionWrites, m.conditionFailures, m.enrollments, m.failures, m.removals, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
+	r.MustRegister(m.startupReleased, m.slicePublishes, m.sliceTaintChanges, m.sliceLatency, m.prepareRefusals, m.gateRegistrations, m.gateHealthFlips, m.conditionWrites, m.conditionFailures, m.enrollments, m.failures, m.removals, m.ranUnredirected, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -169,6 +172,9 @@ func (m *Metrics) Failed(reason string) { m.failures.WithLabelValues(reason).Inc
 
 // Removed implements enroll.Observer.
 func (m *Metrics) Removed() { m.removals.Inc() }
+
+// RanUnredirected implements enroll.Observer.
+func (m *Metrics) RanUnredirected() { m.ranUnredirected.Inc() }
 
 // ZtunnelConnections sets the connection gauge.
 func (m *Metrics) ZtunnelConnections(n int) { m.ztunnelConns.Set(float64(n)) }
