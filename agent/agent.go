@@ -313,6 +313,7 @@ type pieces struct {
 	activity *cniActivity
 	// installer is nil when Config.InstallCNI is false.
 	installer *cniinstall.Installer
+	nodeMark  *nodeMark
 	// cred keeps the plugin's API access file; nil without a pod namespace.
 	cred *pluginCredential
 	zds  *zds.Server
@@ -429,6 +430,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 			p.cred = &pluginCredential{tokens: p.client.CoreV1().ServiceAccounts(cfg.PodNamespace), serviceAccount: cfg.PluginServiceAccount,
 				rest: a.restCfg, path: p.apiAccessPath, label: cfg.EnrollmentLabel, log: a.log, observer: observe.NewPluginToken(a.Metrics.Registry)}
 		}
+		p.nodeMark = newNodeMark(p.client, cfg.NodeName, a.log)
 		if p.installer, err = a.newInstaller(p); err != nil {
 			return nil, err
 		}
@@ -485,6 +487,9 @@ func (a *Agent) newInstaller(p *pieces) (*cniinstall.Installer, error) {
 				p.verifier.trigger()
 			}
 			cniWasInstalled = cniWasInstalled || ok
+			if ok {
+				p.nodeMark.installed()
+			}
 			a.Ready.Set(readiness.CNIInstalled, ok, reason)
 		},
 	})
@@ -566,6 +571,7 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, fun
 			run("plugin credential", func(ctx context.Context) error { p.cred.run(ctx); return nil })
 		}
 		run("cni installer", p.installer.Run)
+		run("node label", func(ctx context.Context) error { p.nodeMark.run(ctx); return nil })
 	} else {
 		a.Ready.Set(readiness.CNIInstalled, true, "")
 	}

@@ -21,6 +21,9 @@ import (
 	appslisters "k8s.io/client-go/listers/apps/v1"
 	listersv1 "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
+	corev1helpers "k8s.io/component-helpers/scheduling/corev1"
+	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
+	"k8s.io/klog/v2"
 )
 
 // removalTimeout bounds removing inpod from the node at shutdown; keep the
@@ -163,11 +166,15 @@ func (w *uninstallWatch) ownerOf(self *corev1.Pod) (*metav1.OwnerReference, stri
 }
 
 // uninstalling decides, at shutdown, whether inpod is being removed from
-// the cluster: only on unambiguous evidence (invariant 5). It answers yes
+// the node: only on unambiguous evidence (invariant 5). It answers yes
 // only when
 //   - the DaemonSet that controls the agent's own pod, identified by UID, is
 //     gone or being deleted (seen by the watch, or read now: not found,
-//     being deleted, or its name now belongs to another object), and
+//     being deleted, or its name now belongs to another object), or, read
+//     now, no longer runs a pod on this node (its node selector or required
+//     node affinity no longer matches the Node, or the Node has a NoExecute
+//     taint it does not tolerate: the DaemonSet controller deletes its pod
+//     for either, and never starts another here), and
 //   - no other inpod agent serves this node: no other pod on this node that
 //     the agent selector selects, is not terminating and is controlled by a
 //     DaemonSet not known to be deleted; and no other live DaemonSet in the
@@ -194,7 +201,12 @@ func (w *uninstallWatch) uninstalling(ctx context.Context) bool {
 		w.log.Info("cannot tell an uninstall from a restart ("+why+"); leaving inpod in place", "pod", w.self)
 		return false
 	}
-	gone, how, successor := w.ownerGone(ctx, owner)
+	gone, how, successor, ds := w.ownerGone(ctx, owner)
+	if !gone && ds != nil {
+		if why := w.notOnThisNode(ctx, ds); why != "" {
+			gone, how = true, "it no longer runs on this node: "+why
+		}
+	}
 	if !gone {
 		w.log.Info("the agent's DaemonSet is in place ("+how+"): a restart or an upgrade", "daemonset", owner.Name, "uid", owner.UID)
 		return false
@@ -204,19 +216,20 @@ func (w *uninstallWatch) uninstalling(ctx context.Context) bool {
 		peer = w.peer(ctx, self, owner)
 	}
 	if peer != "" {
-		w.log.Info("the agent's DaemonSet is gone ("+how+") but another inpod agent serves this node: leaving inpod in place for it",
+		w.log.Info("the agent's DaemonSet is gone from this node ("+how+") but another inpod agent serves it: leaving inpod in place for it",
 			"daemonset", owner.Name, "uid", owner.UID, "other", peer)
 		return false
 	}
-	w.log.Info("the agent's DaemonSet is gone ("+how+") and no other inpod agent serves this node: removing inpod from this node",
+	w.log.Info("the agent's DaemonSet is gone from this node ("+how+") and no other inpod agent serves it: removing inpod from this node",
 		"daemonset", owner.Name, "uid", owner.UID)
 	return true
 }
 
 // ownerGone reports whether the DaemonSet owner is gone or being deleted,
 // and how that is known; successor names an inpod DaemonSet that now has
-// its name (deleted and created again: kubectl replace --force).
-func (w *uninstallWatch) ownerGone(ctx context.Context, owner *metav1.OwnerReference) (gone bool, how, successor string) {
+// its name (deleted and created again: kubectl replace --force). When the
+// owner is in place, ds is it as read now.
+func (w *uninstallWatch) ownerGone(ctx context.Context, owner *metav1.OwnerReference) (gone bool, how, successor string, ds *appsv1.DaemonSet) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	ds, err := w.client.AppsV1().DaemonSets(w.self.Namespace).Get(ctx, owner.Name, metav1.GetOptions{})
@@ -228,22 +241,60 @@ func (w *uninstallWatch) ownerGone(ctx context.Context, owner *metav1.OwnerRefer
 		if err == nil && ds.UID != owner.UID && ds.DeletionTimestamp == nil && w.selector.Matches(labels.Set(ds.Spec.Template.Labels)) {
 			successor = "DaemonSet " + ds.Namespace + "/" + ds.Name + " (created again under the same name)"
 		}
-		return true, "the watch saw it deleted", successor
+		return true, "the watch saw it deleted", successor, nil
 	}
 	switch {
 	case apierrors.IsNotFound(err):
-		return true, "not found", ""
+		return true, "not found", "", nil
 	case err != nil:
-		return false, "cannot read it: " + err.Error(), ""
+		return false, "cannot read it: " + err.Error(), "", nil
 	case ds.UID != owner.UID:
 		if ds.DeletionTimestamp == nil && w.selector.Matches(labels.Set(ds.Spec.Template.Labels)) {
 			successor = "DaemonSet " + ds.Namespace + "/" + ds.Name + " (created again under the same name)"
 		}
-		return true, "its name belongs to another DaemonSet now", successor
+		return true, "its name belongs to another DaemonSet now", successor, nil
 	case ds.DeletionTimestamp != nil:
-		return true, "being deleted", ""
+		return true, "being deleted", "", nil
 	}
-	return false, "read now", ""
+	return false, "read now", "", ds
+}
+
+// daemonSetTolerations are the NoExecute tolerations the DaemonSet
+// controller adds to every pod it creates: a node going NotReady or
+// unreachable does not take its daemons away.
+var daemonSetTolerations = []corev1.Toleration{
+	{Key: corev1.TaintNodeNotReady, Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoExecute},
+	{Key: corev1.TaintNodeUnreachable, Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoExecute},
+}
+
+// notOnThisNode says why ds no longer runs a pod on this node, or "" when
+// it does or the Node cannot be read. It judges as the DaemonSet
+// controller does whether a running daemon pod may continue: the
+// template's node selector and required node affinity must match the Node,
+// and every NoExecute taint of the Node must be tolerated. (A NoSchedule
+// taint keeps a running daemon.)
+func (w *uninstallWatch) notOnThisNode(ctx context.Context, ds *appsv1.DaemonSet) string {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	node, err := w.client.CoreV1().Nodes().Get(ctx, w.node, metav1.GetOptions{})
+	if err != nil {
+		w.log.Info("cannot read this Node to tell whether the agent's DaemonSet still runs here; taking it that it does", "node", w.node, "err", err)
+		return ""
+	}
+	pod := &corev1.Pod{Spec: *ds.Spec.Template.Spec.DeepCopy()}
+	if ok, err := nodeaffinity.GetRequiredNodeAffinity(pod).Match(node); err != nil {
+		w.log.Info("cannot match the agent's DaemonSet's node affinity; taking it that it still runs here", "err", err)
+		return ""
+	} else if !ok {
+		return "its node selector or required node affinity no longer matches this Node"
+	}
+	tolerations := append(append([]corev1.Toleration(nil), pod.Spec.Tolerations...), daemonSetTolerations...)
+	if taint, untolerated := corev1helpers.FindMatchingUntoleratedTaint(klog.Background(), node.Spec.Taints, tolerations, func(t *corev1.Taint) bool {
+		return t.Effect == corev1.TaintEffectNoExecute
+	}, false); untolerated {
+		return fmt.Sprintf("the Node's taint %s=%s:%s is not tolerated", taint.Key, taint.Value, taint.Effect)
+	}
+	return ""
 }
 
 // peer names another inpod agent that serves this node, or returns "".
@@ -297,9 +348,12 @@ func (a *Agent) removeFromNode(p *pieces) error {
 	ctx, cancel := context.WithTimeout(context.Background(), removalTimeout)
 	defer cancel()
 	var errs []error
+	cniRemoved := false
 	if p.installer != nil {
 		if err := p.installer.Uninstall(); err != nil {
 			errs = append(errs, err)
+		} else {
+			cniRemoved = true
 		}
 		if err := os.Remove(p.apiAccessPath); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, err)
@@ -335,6 +389,13 @@ func (a *Agent) removeFromNode(p *pieces) error {
 	}
 	if err := p.annotations.Flush(ctx); err != nil {
 		errs = append(errs, err)
+	}
+	// The label goes only with the plugin: a node that may still chain
+	// it keeps the mark the uninstall hook looks for.
+	if p.nodeMark != nil && cniRemoved {
+		if err := p.nodeMark.patch(ctx, false); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	// Out of the mesh, no pod has anything left to prove: a gated pod
 	// left False (or never set) would stay unready with nobody to set it.

@@ -51,6 +51,8 @@ type evidenceCase struct {
 	watchDS     []*appsv1.DaemonSet
 	seenDeleted []types.UID
 	self        string
+	// node is this Node in the API server; none: it cannot be read.
+	node *corev1.Node
 }
 
 func (c evidenceCase) watch(t *testing.T) *uninstallWatch {
@@ -60,6 +62,9 @@ func (c evidenceCase) watch(t *testing.T) *uninstallWatch {
 	}
 	for _, p := range c.apiPods {
 		objs = append(objs, p)
+	}
+	if c.node != nil {
+		objs = append(objs, c.node)
 	}
 	client := fake.NewClientset(objs...)
 	if c.forbidden {
@@ -129,6 +134,66 @@ func TestUninstallIsDecidedOnlyOnUnambiguousEvidence(t *testing.T) {
 		"own pod never seen (mistyped --pod-name)":         {evidenceCase{pods: []*corev1.Pod{self}, self: "agent-typo"}, false},
 		"own pod on another node":                          {evidenceCase{pods: []*corev1.Pod{testAgentPod("agent-a", "node-2", old)}}, false},
 		"own pod not controlled by a DaemonSet (orphaned)": {evidenceCase{pods: []*corev1.Pod{orphan}}, false},
+	}
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			if got := tc.c.watch(t).uninstalling(context.Background()); got != tc.want {
+				t.Fatalf("uninstalling = %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+// A DaemonSet in place that no longer runs a pod on this node (the node
+// relabelled out of its selector, its affinity narrowed, a NoExecute taint
+// it does not tolerate) is a removal from the node, as the DaemonSet
+// controller judges it: a restart it keeps running through (a NoSchedule
+// taint, the NotReady taint its pods tolerate) is not, and neither is a
+// Node that cannot be read.
+func TestRemovalFromTheNodeFollowsTheDaemonSetsSelection(t *testing.T) {
+	node := func(labels map[string]string, taints ...corev1.Taint) *corev1.Node {
+		return &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-1", Labels: labels}, Spec: corev1.NodeSpec{Taints: taints}}
+	}
+	ds := func(mod func(*corev1.PodSpec)) *appsv1.DaemonSet {
+		d := testDS("inpod-agent", "uid-old")
+		mod(&d.Spec.Template.Spec)
+		return d
+	}
+	selecting := ds(func(s *corev1.PodSpec) { s.NodeSelector = map[string]string{"inpod": "yes"} })
+	self := testAgentPod("agent-a", "node-1", selecting)
+	affinity := ds(func(s *corev1.PodSpec) {
+		s.Affinity = &corev1.Affinity{NodeAffinity: &corev1.NodeAffinity{RequiredDuringSchedulingIgnoredDuringExecution: &corev1.NodeSelector{
+			NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchExpressions: []corev1.NodeSelectorRequirement{{Key: "pool", Operator: corev1.NodeSelectorOpIn, Values: []string{"mesh"}}}}}}}}
+	})
+	tolerating := ds(func(s *corev1.PodSpec) {
+		s.Tolerations = []corev1.Toleration{{Key: "dedicated", Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoExecute}}
+	})
+	noExecute := corev1.Taint{Key: "dedicated", Value: "gpu", Effect: corev1.TaintEffectNoExecute}
+	cases := map[string]struct {
+		c    evidenceCase
+		want bool
+	}{
+		"selected: a restart": {evidenceCase{apiDS: []*appsv1.DaemonSet{selecting}, pods: []*corev1.Pod{self}, node: node(map[string]string{"inpod": "yes"})}, false},
+		"relabelled out of the node selector: removal": {
+			evidenceCase{apiDS: []*appsv1.DaemonSet{selecting}, pods: []*corev1.Pod{self}, node: node(nil)}, true},
+		"required node affinity no longer matches: removal": {
+			evidenceCase{apiDS: []*appsv1.DaemonSet{affinity}, pods: []*corev1.Pod{self}, node: node(map[string]string{"pool": "batch"})}, true},
+		"required node affinity matches: a restart": {
+			evidenceCase{apiDS: []*appsv1.DaemonSet{affinity}, pods: []*corev1.Pod{self}, node: node(map[string]string{"pool": "mesh"})}, false},
+		"an untolerated NoExecute taint: removal": {
+			evidenceCase{apiDS: []*appsv1.DaemonSet{testDS("inpod-agent", "uid-old")}, pods: []*corev1.Pod{self}, node: node(nil, noExecute)}, true},
+		"a tolerated NoExecute taint: a restart": {
+			evidenceCase{apiDS: []*appsv1.DaemonSet{tolerating}, pods: []*corev1.Pod{self}, node: node(nil, noExecute)}, false},
+		"an untolerated NoSchedule taint keeps a running daemon: a restart": {
+			evidenceCase{apiDS: []*appsv1.DaemonSet{testDS("inpod-agent", "uid-old")}, pods: []*corev1.Pod{self},
+				node: node(nil, corev1.Taint{Key: "dedicated", Effect: corev1.TaintEffectNoSchedule})}, false},
+		"the NotReady taint every daemon tolerates: a restart": {
+			evidenceCase{apiDS: []*appsv1.DaemonSet{testDS("inpod-agent", "uid-old")}, pods: []*corev1.Pod{self},
+				node: node(nil, corev1.Taint{Key: corev1.TaintNodeNotReady, Effect: corev1.TaintEffectNoExecute})}, false},
+		"the Node cannot be read: a restart": {evidenceCase{apiDS: []*appsv1.DaemonSet{selecting}, pods: []*corev1.Pod{self}}, false},
+		"relabelled out, but another inpod agent serves the node: left for it": {
+			evidenceCase{apiDS: []*appsv1.DaemonSet{selecting}, node: node(nil),
+				pods: []*corev1.Pod{self, testAgentPod("agent-other", "node-1", testDS("inpod-other", "uid-other"))}}, false},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {

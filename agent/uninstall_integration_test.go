@@ -20,12 +20,15 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
+	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/apiaccess"
 	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/plugin/apicheck"
 )
@@ -128,9 +131,8 @@ func (w *world) deleteDaemonSet(ds *appsv1.DaemonSet) {
 }
 
 func (w *world) pluginInstalled() bool {
-	conf, _ := os.ReadFile(filepath.Join(w.confDir, "10-podnet.conflist"))
 	_, err := os.Stat(filepath.Join(w.binDir, "inpod-cni"))
-	return strings.Contains(string(conf), `"inpod-cni"`) && err == nil
+	return testkit.RuntimeChainEndsWith(w.confDir, "inpod-cni") && err == nil
 }
 
 // enrolledPod is an enrolled pod with rules in its sandbox.
@@ -182,7 +184,8 @@ func (w *world) assertRemoved(t *testing.T, original []byte, pod *corev1.Pod, sa
 	if conf, _ := os.ReadFile(filepath.Join(w.confDir, "10-podnet.conflist")); string(conf) != string(original) {
 		t.Fatalf("CNI configuration after removal:\n%s\nwant the original:\n%s", conf, original)
 	}
-	for _, f := range []string{filepath.Join(w.binDir, "inpod-cni"), filepath.Join(w.binDir, "inpod-cni-apicheck"), filepath.Join(w.confDir, apiaccess.FileName)} {
+	for _, f := range []string{filepath.Join(w.binDir, "inpod-cni"), filepath.Join(w.binDir, "inpod-cni-apicheck"), filepath.Join(w.confDir, apiaccess.FileName),
+		filepath.Join(w.confDir, agent.DefaultCNIOwnedFile)} {
 		if _, err := os.Stat(f); !os.IsNotExist(err) {
 			t.Fatalf("%s left on the node: %v", f, err)
 		}
@@ -225,6 +228,52 @@ func TestIntegrationShutdownAfterItsDaemonSetIsDeletedRemovesInpod(t *testing.T)
 	}
 	w.deleteDaemonSet(ds)
 	w.terminate(self)
+	if err := stop(); err != nil {
+		t.Fatalf("agent: %v", err)
+	}
+	w.assertRemoved(t, original, pod, sandbox)
+	if got := w.annotation(pod); got != "" {
+		t.Fatalf("the pod kept its redirection annotation %q", got)
+	}
+}
+
+// A node relabelled out of the agent's DaemonSet (its node selector no
+// longer matches) loses its agent for good: the DaemonSet is in place, but
+// the departing agent removes inpod from the node as an uninstall does —
+// its own CNI configuration (owned mode) and the primary's untouched, no
+// binaries, no access file, no rules. Left, the plugin would fail every
+// non-excluded pod's ADD once its token expired.
+func TestIntegrationShutdownAfterTheNodeLeavesItsDaemonSetRemovesInpod(t *testing.T) {
+	w := newWorld(t)
+	ctx := context.Background()
+	original, err := os.ReadFile(filepath.Join(w.confDir, "10-podnet.conflist"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName,
+		Labels: map[string]string{"inpod": "yes"}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	w.applyRBAC()
+	ds, self := w.agentDaemonSet("inpod-agent")
+	ds.Spec.Template.Spec.NodeSelector = map[string]string{"inpod": "yes"}
+	if ds, err = w.client.AppsV1().DaemonSets(agentNS).Update(ctx, ds, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	w.cfg.CNIOwnedFile = agent.DefaultCNIOwnedFile
+	w.runAs(self)
+	stop := w.runAgent()
+	pod, sandbox := w.enrolledPod("a")
+	if name, _, err := testkit.RuntimeChain(w.confDir); err != nil || name != agent.DefaultCNIOwnedFile {
+		t.Fatalf("the runtime's configuration is %s (%v), want inpod's own", name, err)
+	}
+	w.eventually("the access file", func() bool { _, err := apiaccess.Read(filepath.Join(w.confDir, apiaccess.FileName)); return err == nil })
+
+	patch := []byte(`{"metadata":{"labels":{"inpod":null}}}`)
+	if _, err := w.client.CoreV1().Nodes().Patch(ctx, nodeName, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	w.terminate(self) // the DaemonSet controller deletes its pod
 	if err := stop(); err != nil {
 		t.Fatalf("agent: %v", err)
 	}

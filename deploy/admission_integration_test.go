@@ -273,6 +273,23 @@ func TestIntegrationNodeConfinementPolicy(t *testing.T) {
 		return podStatus(c, name, `{"metadata":{"labels":{"app":"stolen-endpoints"}}}`)
 	}
 
+	nodeLabel := func(c kubernetes.Interface, node, key, value string) error {
+		_, err := c.CoreV1().Nodes().Patch(ctx, node, types.MergePatchType,
+			[]byte(fmt.Sprintf(`{"metadata":{"labels":{%q:%s}}}`, key, value)), metav1.PatchOptions{})
+		return err
+	}
+	nodeTaint := func(c kubernetes.Interface, node string) error {
+		_, err := c.CoreV1().Nodes().Patch(ctx, node, types.MergePatchType,
+			[]byte(`{"spec":{"taints":[{"key":"stolen","effect":"NoSchedule"}]}}`), metav1.PatchOptions{})
+		return err
+	}
+	statusNodeLabel := func(c kubernetes.Interface, node string) error {
+		_, err := c.CoreV1().Nodes().Patch(ctx, node, types.MergePatchType,
+			[]byte(`{"metadata":{"labels":{"topology.kubernetes.io/zone":"x"}}}`), metav1.PatchOptions{}, "status")
+		return err
+	}
+	const installed = "inpod.dev/cni-installed"
+
 	// The policy takes a few seconds to apply after it is created.
 	testkit.Eventually(t, 30*time.Second, "the policy to apply", func() bool {
 		return denied(annotate(agentA, "app-node-b"))
@@ -297,6 +314,13 @@ func TestIntegrationNodeConfinementPolicy(t *testing.T) {
 		{"create a ResourceSlice for node B", sliceCreate(agentA, "node-b"), "ResourceSlices"},
 		{"delete node B's ResourceSlice", sliceDelete(agentA, "node-b"), "ResourceSlices"},
 		{"delete its node's ResourceSlice", sliceDelete(agentA, "node-a"), ""},
+		{"label its Node " + installed, nodeLabel(agentA, "node-a", installed, `"true"`), ""},
+		{"label its Node " + installed + " with another value", nodeLabel(agentA, "node-a", installed, `"false"`), "only the " + installed + " label"},
+		{"another label of its Node", nodeLabel(agentA, "node-a", "topology.kubernetes.io/zone", `"x"`), "only the " + installed + " label"},
+		{"taint its Node", nodeTaint(agentA, "node-a"), "only the " + installed + " label"},
+		{"its Node's labels through its status", statusNodeLabel(agentA, "node-a"), "only the InPodRedirectionReady condition"},
+		{"label node B " + installed, nodeLabel(agentA, "node-b", installed, `"true"`), "only its own Node"},
+		{"remove the label from its Node", nodeLabel(agentA, "node-a", installed, "null"), ""},
 		{"unbound token: annotate a pod of node A", annotate(unbound, "app-node-a"), "names no node"},
 		{"unbound token: node A's condition", condition(unbound, "node-a"), "names no node"},
 		{"the inpod.dev/redirected condition of a pod of its node", proof(agentA, "app-node-a", true), ""},

@@ -7,7 +7,9 @@
 // last step, removing the pods' redirection annotations, is refused.
 //
 // An agent that is not running when the uninstall starts (crash-looping, its
-// node offline) cannot clean its node: inpod-cni stays chained there, and its
+// node offline), and a node an agent left without cleaning it (found by the
+// label agents keep on nodes that chain inpod-cni), cannot be cleaned by an
+// agent: inpod-cni stays chained there, and its
 // agent-down check loses its credential with the ServiceAccount, so every
 // new pod on that node would fail. The hook cannot fix such a node, but it
 // must not hide it: it fails, naming the nodes, so Helm stops the uninstall
@@ -50,6 +52,12 @@ type Config struct {
 	Bindings []string
 	// Selector selects the agent pods to wait for.
 	Selector string
+	// InstalledLabel is the Node label an agent keeps while inpod-cni is
+	// in its node's chain (agent.NodeInstalledLabel). Once every agent is
+	// gone, a node still carrying it was left without cleaning (its agent
+	// moved off the DaemonSet while down, or killed during its removal)
+	// and is named; empty: nodes are not checked.
+	InstalledLabel string
 	// Timeout bounds the wait; past it the hook fails, naming the nodes
 	// whose agent is still there (an unreachable node cannot be cleaned by
 	// its agent).
@@ -120,6 +128,11 @@ func Run(ctx context.Context, cfg Config) error {
 			if len(notRunning) > 0 {
 				return uncleanError("their agent was not running when the uninstall began", notRunning)
 			}
+			if left, err := labelledNodes(ctx, cfg); err != nil {
+				return err
+			} else if len(left) > 0 {
+				return uncleanError(fmt.Sprintf("they still carry %s, and no agent is left to remove inpod there (an agent that left such a node while it was down, or was killed during its removal)", cfg.InstalledLabel), left)
+			}
 			log.Info("every agent has stopped")
 			return nil
 		}
@@ -136,6 +149,22 @@ func Run(ctx context.Context, cfg Config) error {
 		case <-tick.C:
 		}
 	}
+}
+
+// labelledNodes names the nodes that carry cfg.InstalledLabel.
+func labelledNodes(ctx context.Context, cfg Config) ([]string, error) {
+	if cfg.InstalledLabel == "" {
+		return nil, nil
+	}
+	nodes, err := cfg.Client.CoreV1().Nodes().List(ctx, metav1.ListOptions{LabelSelector: cfg.InstalledLabel})
+	if err != nil {
+		return nil, fmt.Errorf("uninstall hook: list the nodes labelled %s: %w", cfg.InstalledLabel, err)
+	}
+	var names []string
+	for _, n := range nodes.Items {
+		names = append(names, n.Name)
+	}
+	return names, nil
 }
 
 // allRunning says whether every container of an agent pod runs, the one

@@ -4,6 +4,7 @@ package uninstallhook_test
 
 import (
 	"context"
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -27,6 +28,10 @@ import (
 
 const ns = "inpod-system"
 
+// installedLabel is agent.NodeInstalledLabel (not imported: the hook must not
+// need the agent).
+const installedLabel = "inpod.dev/cni-installed"
+
 var agentLabels = map[string]string{"app.kubernetes.io/name": "inpod", "app.kubernetes.io/component": "agent"}
 
 // TestIntegrationUninstallHook runs the hook against a real API server. The
@@ -48,13 +53,24 @@ func TestIntegrationUninstallHook(t *testing.T) {
 		running map[string]bool // node → its agent's container runs
 		exits   bool            // the agents exit once the DaemonSet is gone
 		want    []string        // nodes the error names; none: success
+		// labelled are nodes with no agent pod that still carry the
+		// installed label: an agent left them without cleaning.
+		labelled []string
 	}{
-		{"every agent running", map[string]bool{"node-a": true, "node-b": true}, true, nil},
-		{"one agent crash-looping", map[string]bool{"node-a": true, "node-b": false}, true, []string{"node-b"}},
-		{"an agent that never exits (node offline)", map[string]bool{"node-a": true}, false, []string{"node-a"}},
+		{"every agent running", map[string]bool{"node-a": true, "node-b": true}, true, nil, nil},
+		{"one agent crash-looping", map[string]bool{"node-a": true, "node-b": false}, true, []string{"node-b"}, nil},
+		{"an agent that never exits (node offline)", map[string]bool{"node-a": true}, false, []string{"node-a"}, nil},
+		{"a node an agent left without cleaning it", map[string]bool{"node-a": true}, true, []string{"node-c"}, []string{"node-c"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			createAgents(t, c, tc.running)
+			for _, n := range tc.labelled {
+				if _, err := c.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n,
+					Labels: map[string]string{installedLabel: "true"}}}, metav1.CreateOptions{}); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { c.CoreV1().Nodes().Delete(context.Background(), n, metav1.DeleteOptions{}) })
+			}
 			if !tc.exits {
 				t.Cleanup(func() { deleteAgents(t, c) })
 			}
@@ -66,8 +82,8 @@ func TestIntegrationUninstallHook(t *testing.T) {
 			go func() {
 				done <- uninstallhook.Run(ctx, uninstallhook.Config{
 					Client: c, Namespace: ns, DaemonSet: "inpod-agent", Bindings: bindings,
-					Selector: "app.kubernetes.io/name=inpod,app.kubernetes.io/component=agent",
-					Timeout:  3 * time.Second, Poll: 50 * time.Millisecond,
+					Selector: "app.kubernetes.io/name=inpod,app.kubernetes.io/component=agent", InstalledLabel: installedLabel,
+					Timeout: 3 * time.Second, Poll: 50 * time.Millisecond,
 				})
 			}()
 			testkit.Eventually(t, 30*time.Second, "the hook to delete the DaemonSet", func() bool {
@@ -99,7 +115,7 @@ func TestIntegrationUninstallHook(t *testing.T) {
 			if err == nil {
 				t.Fatalf("hook succeeded, want it to fail naming %v", tc.want)
 			}
-			for n := range tc.running {
+			for _, n := range append(slices.Collect(maps.Keys(tc.running)), tc.labelled...) {
 				named := strings.Contains(err.Error(), n)
 				wanted := false
 				for _, w := range tc.want {

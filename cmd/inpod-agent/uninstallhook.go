@@ -37,6 +37,7 @@ func runUninstallHook(args []string) error {
 		return nil
 	})
 	fs.StringVar(&cfg.Selector, "agent-selector", agent.DefaultAgentSelector, "label selector of the agent pods to wait for")
+	fs.StringVar(&cfg.InstalledLabel, "installed-label", agent.NodeInstalledLabel, "the Node label agents keep while inpod-cni is in the node's chain: once every agent is gone, nodes still carrying it are named as left to clean; empty: not checked")
 	fs.DurationVar(&cfg.Timeout, "timeout", 2*time.Minute, "how long to wait for the agents; then succeed anyway")
 	err := envflag.Parse(fs, "inpod-agent uninstall-hook: the chart's pre-delete hook (delete the agent DaemonSet, wait for the agents' uninstall)", args)
 	if err == flag.ErrHelp {
