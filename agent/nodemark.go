@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
@@ -74,7 +75,11 @@ func (m *nodeMark) patch(ctx context.Context, on bool) error {
 	patch := fmt.Sprintf(`{"metadata":{"labels":{%q:%s}}}`, NodeInstalledLabel, value)
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	if _, err := m.client.CoreV1().Nodes().Patch(ctx, m.node, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+	_, err := m.client.CoreV1().Nodes().Patch(ctx, m.node, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+	if !on && apierrors.IsNotFound(err) {
+		return nil // no Node, no label
+	}
+	if err != nil {
 		return fmt.Errorf("label Node %s: %w", m.node, err)
 	}
 	return nil
