@@ -105,8 +105,9 @@ func agentWithEnrolled(t *testing.T, pod *corev1.Pod) (*Agent, *enroll.Pipeline)
 
 type noRules struct{}
 
-func (noRules) Apply(*os.File) (bool, error)  { return true, nil }
-func (noRules) Remove(*os.File) (bool, error) { return true, nil }
+func (noRules) Apply(*os.File) (bool, error)   { return true, nil }
+func (noRules) Present(*os.File) (bool, error) { return false, nil }
+func (noRules) Remove(*os.File) (bool, error)  { return true, nil }
 
 type noProbes struct{}
 

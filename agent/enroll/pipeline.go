@@ -28,6 +28,9 @@ type (
 	Rules interface {
 		Apply(ns *os.File) (changed bool, err error)
 		Remove(ns *os.File) (bool, error)
+		// Present says whether the netns holds inpod's netfilter rules
+		// (not the policy route, which has Istio's values).
+		Present(ns *os.File) (bool, error)
 	}
 	// ProbeSet exempts kubelet probes to enrolled IPs (redirect.HostProbes).
 	ProbeSet interface {

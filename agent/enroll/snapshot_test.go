@@ -84,7 +84,8 @@ type snapshotNoRules struct{}
 func (snapshotNoRules) Apply(*os.File) (bool, error) {
 	return true, nil
 }
-func (snapshotNoRules) Remove(*os.File) (bool, error) { return true, nil }
+func (snapshotNoRules) Present(*os.File) (bool, error) { return false, nil }
+func (snapshotNoRules) Remove(*os.File) (bool, error)  { return true, nil }
 
 type snapshotNoProbes struct{}
 

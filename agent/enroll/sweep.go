@@ -67,14 +67,26 @@ func (p *Pipeline) sweepOne(ctx context.Context, pod *corev1.Pod, checked *int) 
 	if want, err := p.wants(ctx, pod); err != nil || want {
 		return false
 	}
-	ns, err := p.cfg.Finder.Find(string(pod.UID), ips)
+	// By the sandbox's UID: a static pod's processes are in cgroups named
+	// by its config hash, not by its mirror pod's UID.
+	ns, err := p.cfg.Finder.Find(SandboxUID(pod), ips)
 	if err != nil {
 		return false // not running (any more): nothing to clean
 	}
 	defer ns.Close()
 	*checked++
-	changed, err := p.cfg.Rules.Remove(ns)
 	key := pod.Namespace + "/" + pod.Name
+	// Only where inpod's netfilter rules are: the policy route has
+	// Istio's values (table 100, fwmark 0x111), so a pod Istio's own CNI
+	// redirected, or one that routes with table 100 itself, has the like
+	// and must keep it.
+	if present, err := p.cfg.Rules.Present(ns); err != nil {
+		p.log.Warn("cannot tell whether a pod outside the mesh carries inpod's rules", "pod", key, "uid", pod.UID, "err", err)
+		return false
+	} else if !present {
+		return false
+	}
+	changed, err := p.cfg.Rules.Remove(ns)
 	if err != nil {
 		p.log.Error("could not remove inpod's rules from a pod outside the mesh", "pod", key, "uid", pod.UID, "err", err)
 		p.cfg.Events.Warn(pod, EventFailed, "inpod's redirection rules could not be removed from this pod, which is not in the mesh: "+err.Error())

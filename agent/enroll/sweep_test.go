@@ -69,3 +69,40 @@ func TestSweepRemovesRulesFromPodsOutsideTheMeshOnly(t *testing.T) {
 		t.Fatalf("a clean pod got an Event: %v", f.rec.reasons()[events:])
 	}
 }
+
+// A static pod outside the mesh is swept too: its processes are in cgroups
+// named by its config hash, not by its mirror pod's UID.
+func TestSweepCleansAStaticPodOutsideTheMesh(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	const hash = "6f1c0ffee6f1c0ffee6f1c0ffee0beef"
+	pod := mirror("plain", "static-leftover", "0b5e1c2a-3333-4c3d-9e8f-00000000beef", hash)
+	sb := f.sandbox()
+	sb.RunAsPod(t, hash)
+	if _, err := redirect.NewEngine(redirect.NewNFTables()).Apply(sb.Open(t), redirect.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	checked, removed := f.p.SweepOutside(context.Background(), []*corev1.Pod{f.running(pod, sb)})
+	if checked != 1 || removed != 1 || hasRules(t, sb) {
+		t.Fatalf("sweep of a static pod outside the mesh: checked %d removed %d, rules still there: %v", checked, removed, hasRules(t, sb))
+	}
+}
+
+// A pod outside the mesh with the policy route's like but none of inpod's
+// netfilter rules (Istio's own CNI redirected it: the same table 100 and
+// fwmark 0x111; or it routes with table 100 itself) keeps its routing: the
+// sweep removes only where inpod's rules are.
+func TestSweepLeavesRoutingInpodDidNotWriteAlone(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	pod, sb := f.pod("plain", "own-routing", nil), f.sandbox()
+	sb.RunAsPod(t, string(pod.UID))
+	sb.Exec(t, "ip", "route", "add", "local", "203.0.113.0/24", "dev", "lo", "table", "100")
+	sb.Exec(t, "ip", "rule", "add", "pref", "32764", "fwmark", "0x111/0xfff", "lookup", "100")
+	before := sb.Exec(t, "ip", "route", "show", "table", "100") + sb.Exec(t, "ip", "rule", "show")
+	checked, removed := f.p.SweepOutside(context.Background(), []*corev1.Pod{f.running(pod, sb)})
+	after := sb.Exec(t, "ip", "route", "show", "table", "100") + sb.Exec(t, "ip", "rule", "show")
+	if removed != 0 || after != before || slices.Contains(f.rec.reasons(), enroll.EventRemovedOutside) {
+		t.Fatalf("the sweep (checked %d, removed %d) changed routing inpod never wrote:\nbefore:\n%s\nafter:\n%s", checked, removed, before, after)
+	}
+}

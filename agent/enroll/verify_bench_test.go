@@ -174,7 +174,8 @@ func (r timedRules) Apply(ns *os.File) (bool, error) {
 	return res.Changed, err
 }
 
-func (r timedRules) Remove(ns *os.File) (bool, error) { return r.c.engine.Load().Remove(ns) }
+func (r timedRules) Remove(ns *os.File) (bool, error)  { return r.c.engine.Load().Remove(ns) }
+func (r timedRules) Present(ns *os.File) (bool, error) { return r.c.engine.Load().Present(ns) }
 
 type timedAcks struct {
 	c   *timedChecks

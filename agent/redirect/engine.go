@@ -75,6 +75,22 @@ func (e *Engine) Remove(ns *os.File) (bool, error) {
 	return removed || cleaned || unrouted, err
 }
 
+// Present says whether the netns holds any of inpod's netfilter rules, of
+// this engine's backend or another's. Only the netfilter rules say so: the
+// policy route (table 100, fwmark 0x111) uses Istio's values, so a pod
+// Istio's own CNI redirected has it too.
+func (e *Engine) Present(ns *os.File) (bool, error) {
+	if ok, err := e.backend.Present(ns); err != nil || ok {
+		return ok, err
+	}
+	for _, o := range e.others {
+		if ok, err := o.Present(ns); err != nil || ok {
+			return ok, err
+		}
+	}
+	return false, nil
+}
+
 func (e *Engine) removeOthers(ns *os.File) (bool, error) {
 	changed := false
 	for _, o := range e.others {
