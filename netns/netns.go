@@ -59,12 +59,23 @@ func Do(ns *os.File, fn func() error) error {
 
 // home is the namespace of the threads the runtime schedules goroutines on
 // freely: every thread Do switches is switched back to it or discarded, so
-// a new goroutine's thread is in it. It is opened once, by the first Do,
-// from such a thread: reading a thread's namespace from procfs costs more
-// than both switches together, and the verifier enters every pod's netns.
+// a new goroutine's thread is in it. It is opened once: reading a thread's
+// namespace from procfs costs more than both switches together, and the
+// verifier enters every pod's netns. Opened at init, on the main thread
+// before any code could switch a thread: opened by the first Do instead, it
+// would be the namespace of whatever thread ran that Do, and a thread some
+// library left in a pod's namespace (one that unlocks a thread it failed to
+// switch back) would make every later Do "restore" threads into that pod.
 var home struct {
 	mu sync.Mutex
 	ns *os.File
+}
+
+func init() {
+	// A failure (no procfs yet, no fd) leaves it to the first Do.
+	if f, err := os.Open(threadNetNSPath()); err == nil {
+		home.ns = f
+	}
 }
 
 func homeNetNS() (*os.File, error) {

@@ -151,24 +151,40 @@ func HoldsAny(ns *os.File, ips []netip.Addr) bool {
 	}
 	defer nl.Close()
 	holds := false
-	// struct ifaddrmsg of AF_UNSPEC: the addresses of every family.
-	err = nl.Request(unix.RTM_GETADDR, unix.NLM_F_DUMP, make([]byte, unix.SizeofIfAddrmsg), func(typ uint16, msg []byte) {
-		if holds || typ != unix.RTM_NEWADDR || len(msg) < unix.SizeofIfAddrmsg {
-			return
-		}
-		ad, err := mnl.NewAttributeDecoder(msg[unix.SizeofIfAddrmsg:])
-		if err != nil {
-			return
-		}
-		for ad.Next() {
-			if t := ad.Type(); t != unix.IFA_ADDRESS && t != unix.IFA_LOCAL {
-				continue
+	for attempt := 0; attempt < 3 && !holds; attempt++ {
+		// struct ifaddrmsg of AF_UNSPEC: the addresses of every family.
+		err = nl.Request(unix.RTM_GETADDR, unix.NLM_F_DUMP, make([]byte, unix.SizeofIfAddrmsg), func(typ uint16, msg []byte) {
+			if holds || typ != unix.RTM_NEWADDR || len(msg) < unix.SizeofIfAddrmsg {
+				return
 			}
-			if ip, ok := netip.AddrFromSlice(ad.Bytes()); ok && slices.Contains(ips, ip.Unmap()) {
+			ad, err := mnl.NewAttributeDecoder(msg[unix.SizeofIfAddrmsg:])
+			if err != nil {
+				return
+			}
+			// IFA_LOCAL is the interface's own address; IFA_ADDRESS is
+			// the same, except on a point-to-point link, where it is the
+			// peer's (which the netns does not hold).
+			var local, address []byte
+			for ad.Next() {
+				switch ad.Type() {
+				case unix.IFA_LOCAL:
+					local = ad.Bytes()
+				case unix.IFA_ADDRESS:
+					address = ad.Bytes()
+				}
+			}
+			if local == nil {
+				local = address
+			}
+			if ip, ok := netip.AddrFromSlice(local); ok && slices.Contains(ips, ip.Unmap()) {
 				holds = true
 			}
+		})
+		// An address seen is held, interrupted dump or not; an
+		// interrupted dump that saw none is asked again.
+		if !errors.Is(err, netns.ErrDumpInterrupted) {
+			break
 		}
-	})
-	// An interrupted dump proves nothing either way: not held.
-	return err == nil && holds
+	}
+	return holds
 }

@@ -144,3 +144,20 @@ func TestFindPassesOverTheNodesNetns(t *testing.T) {
 		t.Fatalf("Find with only the node's netns holding the IP = %v, want ErrNotFound", err)
 	}
 }
+
+// A netns holds the addresses of its interfaces, not the peers of its
+// point-to-point links: a pod with such a link must not be taken for the
+// pod whose IP is that peer.
+func TestHoldsAnyCountsLocalAddressesNotPeers(t *testing.T) {
+	ns := netnstest.New(t)
+	ns.Exec(t, "ip", "link", "add", "p2p0", "type", "veth", "peer", "name", "p2p1")
+	ns.Exec(t, "ip", "addr", "add", "192.0.2.1", "peer", "192.0.2.2", "dev", "p2p0")
+	f := ns.Open(t)
+	local, peer := netip.MustParseAddr("192.0.2.1"), netip.MustParseAddr("192.0.2.2")
+	if !podnetns.HoldsAny(f, []netip.Addr{local}) {
+		t.Error("the netns's own address not found")
+	}
+	if podnetns.HoldsAny(f, []netip.Addr{peer}) {
+		t.Error("the peer's address taken for the netns's own")
+	}
+}
