@@ -68,9 +68,11 @@ func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 		t.Fatal(err)
 	}
 	conflist := filepath.Join(node.CNIConf, "10-e2e.conflist")
-	chained := func() bool {
+	chained := func() bool { return testkit.RuntimeChainEndsWith(node.CNIConf, "inpod-cni") }
+	inAnyFile := func() bool {
 		data, err := os.ReadFile(conflist)
-		return err == nil && strings.Contains(string(data), `"inpod-cni"`)
+		_, owned := os.Stat(filepath.Join(node.CNIConf, ownedConflist))
+		return owned == nil || (err == nil && strings.Contains(string(data), `"inpod-cni"`))
 	}
 	testkit.Eventually(t, 2*time.Minute, "the agent pod Ready with the plugin chained", func() bool { return agentReady(t, ctx, node) != "" && chained() })
 	resource := corev1.ResourceName("inpod.dev/redirection")
@@ -135,7 +137,7 @@ func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 	testkit.Eventually(t, 2*time.Minute, "the plugin out of the conflist and both binaries removed", func() bool {
 		_, e1 := os.Stat(filepath.Join(node.CNIBin, "inpod-cni"))
 		_, e2 := os.Stat(filepath.Join(node.CNIBin, "inpod-cni-apicheck"))
-		return !chained() && os.IsNotExist(e1) && os.IsNotExist(e2)
+		return !chained() && !inAnyFile() && os.IsNotExist(e1) && os.IsNotExist(e2)
 	})
 	testkit.Eventually(t, 30*time.Second, "the host table removed", func() bool {
 		out, err := osexec.Command("nft", "list", "tables").Output()

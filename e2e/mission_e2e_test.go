@@ -17,9 +17,12 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/inpod-dev/inpod/e2e/chart"
 	"github.com/inpod-dev/inpod/e2e/cluster"
@@ -30,6 +33,10 @@ import (
 // The agent's metrics port as the chart sets it (ports.metrics).
 const agentMetricsPort = 15020
 
+// ownedConflist is inpod's own CNI configuration file as the chart names it
+// (cni.ownedConfigFile).
+const ownedConflist = "00-inpod.conflist"
+
 // holdLabel keeps the agent DaemonSet off the node while the node does not
 // carry it: inpod "not installed here yet", or its agent stopped.
 const holdLabel = "inpod-e2e-hold"
@@ -38,6 +45,7 @@ const holdLabel = "inpod-e2e-hold"
 // uninstall.
 type nodeState struct {
 	conflist   []byte
+	confFiles  []string
 	cniBins    []string
 	hostTables []string
 	conditions []string
@@ -57,6 +65,12 @@ func captureNodeState(t *testing.T, ctx context.Context, node *cluster.Node) nod
 	}
 	for _, e := range entries {
 		s.cniBins = append(s.cniBins, e.Name())
+	}
+	if entries, err = os.ReadDir(node.CNIConf); err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		s.confFiles = append(s.confFiles, e.Name())
 	}
 	out, err := osexec.Command("nft", "list", "tables").Output()
 	if err != nil {
@@ -100,10 +114,9 @@ func TestE2EMission(t *testing.T) {
 	}
 	before := captureNodeState(t, ctx, node)
 	conflist := filepath.Join(node.CNIConf, "10-e2e.conflist")
-	chained := func() bool {
-		data, err := os.ReadFile(conflist)
-		return err == nil && bytes.Contains(data, []byte(`"inpod-cni"`))
-	}
+	// The chain the runtime would use for a new sandbox ends with
+	// inpod-cni (the chart's default: in inpod's own file).
+	chained := func() bool { return testkit.RuntimeChainEndsWith(node.CNIConf, "inpod-cni") }
 	// hold takes the agent off the node (its DaemonSet selects
 	// holdLabel=here), as a drain of the DaemonSet would stop it: SIGTERM,
 	// then gone.
@@ -119,6 +132,23 @@ func TestE2EMission(t *testing.T) {
 		}
 	}
 	install := func(t *testing.T) { c.install(t, "--set", "agent.nodeSelector."+holdLabel+"=here") }
+	// away stops the agent as a bad upgrade does, its DaemonSet still
+	// selecting the node: the new template's agent cannot start (its
+	// image's plugin directory is wrong), so the old agent is replaced
+	// (a restart: inpod stays on the node) and the new one crash-loops.
+	// (Taking the node out of the DaemonSet instead is a removal from the
+	// node: TestE2ENodeLeavesTheDaemonSet.)
+	away := func(t *testing.T, on bool) {
+		t.Helper()
+		env := `{"name":"INPOD_CNI_SOURCE_DIR","value":"/no-such-dir"}`
+		if !on {
+			env = `{"name":"INPOD_CNI_SOURCE_DIR","$patch":"delete"}`
+		}
+		patch := `{"spec":{"template":{"spec":{"containers":[{"name":"agent","env":[` + env + `]}]}}}}`
+		if _, err := client.AppsV1().DaemonSets(chart.Namespace).Patch(ctx, "inpod-agent", types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
 	var app *corev1.Pod
 
 	ok := t.Run("1 gate closed before readiness", func(t *testing.T) {
@@ -276,10 +306,22 @@ func TestE2EMission(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		hold(t, true)
-		waitPodsGone(t, ctx, node, chart.Namespace, "app.kubernetes.io/component=agent")
+		old := agentReady(t, ctx, node)
+		away(t, true)
+		testkit.Eventually(t, 2*time.Minute, "the agent replaced by one that cannot start", func() bool {
+			return podGone(ctx, node, chart.Namespace, old) && agentReady(t, ctx, node) == "" && agentMetric(agentMetricsPort, "inpod_node_ready") < 0
+		})
 		if !chained() {
 			t.Fatal("the stopped agent took the plugin out of the chain: enrolled pods would start unredirected")
+		}
+		// With the agent away, the primary CNI writes its configuration
+		// again, as its installer does at every start (a reboot): the
+		// chain the runtime uses must still end with inpod-cni.
+		if err := os.WriteFile(conflist, before.conflist, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if !chained() {
+			t.Fatal("the primary's rewrite took inpod-cni out of the runtime's chain while the agent is away")
 		}
 		p := testAppPod("mesh", "bypassed")
 		p.Spec.NodeName = node.Name
@@ -311,7 +353,7 @@ func TestE2EMission(t *testing.T) {
 			return msg != ""
 		})
 		t.Logf("the pod waits: %s", msg)
-		hold(t, false)
+		away(t, false)
 		bypassed := waitReady(t, ctx, node, "mesh", "bypassed")
 		c.enrolled(t, bypassed)
 		c.inbound(t, bypassed)
@@ -359,8 +401,13 @@ func TestE2EMission(t *testing.T) {
 	ok = t.Run("6 conflist clobbered", func(t *testing.T) {
 		repairs := mustAgentMetric(t, agentMetricsPort, "inpod_cni_repairs_total")
 		transitions := mustAgentMetric(t, agentMetricsPort, "inpod_node_ready_transitions_total")
-		// The primary CNI writes its configuration again, without inpod;
+		// Something cleans the directory of files it does not know
+		// (inpod's own) and the primary CNI writes its configuration
+		// again: the runtime's chain lacks inpod until the agent's repair;
 		// enrolled pods keep being created meanwhile.
+		if err := os.Remove(filepath.Join(node.CNIConf, ownedConflist)); err != nil {
+			t.Fatal(err)
+		}
 		if err := os.WriteFile(conflist, before.conflist, 0o644); err != nil {
 			t.Fatal(err)
 		}
@@ -395,6 +442,101 @@ func TestE2EMission(t *testing.T) {
 		return
 	}
 
+	ok = t.Run("12 the node leaves the DaemonSet", func(t *testing.T) {
+		// The node relabelled out of the agent's node selector: its
+		// DaemonSet is in place, but no agent will run here again. The
+		// departing agent removes inpod as an uninstall does; left, the
+		// plugin would fail every pod's ADD once its token expired.
+		peerState := podState(t, ctx, node, "plain", "peer")
+		labelled := func() bool {
+			n, err := client.CoreV1().Nodes().Get(ctx, node.Name, metav1.GetOptions{})
+			return err == nil && n.Labels["inpod.dev/cni-installed"] == "true"
+		}
+		if !labelled() {
+			t.Fatal("the Node lacks inpod.dev/cni-installed while inpod-cni is in its chain")
+		}
+
+		// First an agent that leaves without cleaning: frozen, then killed
+		// as its pod is force-deleted while the node leaves the DaemonSet
+		// (a node cut off during the removal). inpod stays on the node, the
+		// label with it, and helm uninstall names the node instead of
+		// deleting the agent's RBAC as if all were well.
+		pids := containerProcs(node.Containerd, "inpod-agent")
+		if len(pids) == 0 {
+			t.Fatal("no inpod-agent process")
+		}
+		for _, pid := range pids {
+			unix.Kill(pid, unix.SIGSTOP)
+		}
+		hold(t, true)
+		zero := int64(0)
+		if err := client.CoreV1().Pods(chart.Namespace).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: &zero},
+			metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=agent"}); err != nil {
+			t.Fatal(err)
+		}
+		for _, pid := range pids {
+			unix.Kill(pid, unix.SIGKILL)
+		}
+		waitPodsGone(t, ctx, node, chart.Namespace, "app.kubernetes.io/component=agent")
+		if !chained() || !labelled() {
+			t.Fatal("the killed agent's node lost inpod-cni or its label: nothing ran to remove them")
+		}
+		if _, err := c.target.Helm(ctx, c.repo, "uninstall", chart.Release, "-n", chart.Namespace, "--wait", "--timeout", "3m"); err == nil {
+			t.Fatal("helm uninstall succeeded with a node that still chains inpod-cni and has no agent")
+		}
+		hookLog := ""
+		testkit.Eventually(t, time.Minute, "the uninstall hook's log naming the node", func() bool {
+			hookLog = jobLog(ctx, node, chart.Namespace, "app.kubernetes.io/component=uninstall-hook")
+			return strings.Contains(hookLog, "node(s) "+node.Name+":") && strings.Contains(hookLog, "inpod.dev/cni-installed") && strings.Contains(hookLog, "--no-hooks")
+		})
+		t.Logf("helm uninstall stopped by its hook: %s", hookLog)
+		// Finished as the hook says (the node is not cleaned by hand here:
+		// installed again, the agent back on the node takes over what the
+		// killed one left).
+		if _, err := c.target.Helm(ctx, c.repo, "uninstall", chart.Release, "-n", chart.Namespace, "--no-hooks", "--wait", "--timeout", "3m"); err != nil {
+			t.Fatal(err)
+		}
+		install(t)
+		hold(t, false)
+		testkit.Eventually(t, 2*time.Minute, "the agent back", func() bool { return agentReady(t, ctx, node) != "" && chained() })
+		c.inbound(t, app)
+
+		// Now a clean departure.
+		hold(t, true)
+		waitPodsGone(t, ctx, node, chart.Namespace, "app.kubernetes.io/component=agent")
+		gone := func(name string) bool { _, err := os.Stat(name); return os.IsNotExist(err) }
+		testkit.Eventually(t, 10*time.Second, "inpod removed from the node: chain, inpod's file, access file, binaries, host table", func() bool {
+			return !chained() && gone(filepath.Join(node.CNIConf, ownedConflist)) && gone(filepath.Join(node.CNIConf, "inpod-api-access")) &&
+				gone(filepath.Join(node.CNIBin, "inpod-cni")) && !strings.Contains(nftTables(t), "inpod-host")
+		})
+		if redirectsInKernel(t, app.Status.PodIP) {
+			t.Fatal("the enrolled pod kept its rules on a node inpod left")
+		}
+		if labelled() {
+			t.Fatal("the Node kept inpod.dev/cni-installed after inpod left it")
+		}
+		// Nothing of inpod is in a new pod's way: no plugin, no token to
+		// expire.
+		c.create(t, testAppPod("plain", "after-leaving"))
+		waitReady(t, ctx, node, "plain", "after-leaving")
+		if got := podState(t, ctx, node, "plain", "peer"); got != peerState {
+			t.Fatalf("leaving disturbed the plain pod: %s, was %s", got, peerState)
+		}
+		// Back on the node: the agent finds the enrolled pod running
+		// without redirection since inpod left, says so, and redirects it
+		// in place.
+		hold(t, false)
+		testkit.Eventually(t, 2*time.Minute, "the agent back, the plugin chained", func() bool { return agentReady(t, ctx, node) != "" && chained() })
+		testkit.Eventually(t, time.Minute, "a RanUnredirected event on the enrolled pod", func() bool {
+			return eventFor(ctx, node, "mesh", "app", "RanUnredirected", "ran outside the mesh") != ""
+		})
+		testkit.Eventually(t, time.Minute, "the enrolled pod redirected in place", func() bool { return redirectsInKernel(t, app.Status.PodIP) })
+		c.inbound(t, app)
+	})
+	if !ok {
+		return
+	}
+
 	t.Run("8 uninstall", func(t *testing.T) {
 		appState := podState(t, ctx, node, "mesh", "app")
 		peerState := podState(t, ctx, node, "plain", "peer")
@@ -406,6 +548,7 @@ func TestE2EMission(t *testing.T) {
 		testkit.Eventually(t, time.Minute, "the node as it was before install", func() bool {
 			after := captureNodeState(t, ctx, node)
 			return bytes.Equal(after.conflist, before.conflist) && strings.Join(after.cniBins, " ") == strings.Join(before.cniBins, " ") &&
+				strings.Join(after.confFiles, " ") == strings.Join(before.confFiles, " ") &&
 				strings.Join(after.hostTables, ",") == strings.Join(before.hostTables, ",") &&
 				strings.Join(after.conditions, ",") == strings.Join(before.conditions, ",") && after.resources == before.resources
 		})
@@ -429,4 +572,33 @@ func TestE2EMission(t *testing.T) {
 			t.Fatalf("after uninstall a plain pod's connection got %q", reply)
 		}
 	})
+}
+
+// nftTables is the node's nf_tables tables, one per line.
+func nftTables(t *testing.T) string {
+	t.Helper()
+	out, err := osexec.Command("nft", "list", "tables").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(out)
+}
+
+// podGone says whether the pod named is gone from the API.
+func podGone(ctx context.Context, node *cluster.Node, ns, name string) bool {
+	_, err := node.Client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+	return apierrors.IsNotFound(err)
+}
+
+// jobLog is the log of the first pod selector selects in ns.
+func jobLog(ctx context.Context, node *cluster.Node, ns, selector string) string {
+	pods, err := node.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: selector})
+	if err != nil || len(pods.Items) == 0 {
+		return ""
+	}
+	out, err := node.Client.CoreV1().Pods(ns).GetLogs(pods.Items[0].Name, &corev1.PodLogOptions{}).DoRaw(ctx)
+	if err != nil {
+		return ""
+	}
+	return string(out)
 }

@@ -17,7 +17,7 @@ import (
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
 
-// TestE2EPreStartHoldsASandboxSetUpWithoutInpod: the scheduling gate keeps
+// TestE2EPreStartHoldsASandboxSetUpWithoutInpod (cni.mode=chained): the scheduling gate keeps
 // an enrolled pod off a node that is not ready, but a pod admitted while it
 // was ready can still get a sandbox set up without inpod, when another CNI
 // rewrote the conflist without inpod-cni and the runtime read it before the
@@ -41,7 +41,9 @@ func TestE2EPreStartHoldsASandboxSetUpWithoutInpod(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c.install(t)
+	// The window exists only with inpod chained into the primary's file:
+	// owned (the default), the primary's rewrite leaves the chain alone.
+	c.install(t, "--set", "cni.mode=chained")
 	c.standInUp(t)
 	testkit.Eventually(t, 3*time.Minute, "the agent pod Ready", func() bool { return agentReady(t, ctx, c.Node) != "" })
 	testkit.Eventually(t, 2*time.Minute, "the gate open on the Node", func() bool { return allocatable(ctx, c.Node, gateResource) > 0 })

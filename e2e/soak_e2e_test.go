@@ -3,7 +3,6 @@
 package e2e
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -499,7 +498,7 @@ func (s *soak) churn(ctx context.Context, r *rand.Rand) {
 // --- faults ------------------------------------------------------------
 
 var faultKinds = []string{"agent-sigkill", "agent-pod-delete", "standin-kill", "standin-upgrade", "kubelet-restart",
-	"conflist-clobber", "apiserver-stop", "namespace-flip", "rules-flush"}
+	"conflist-clobber", "primary-rewrite-agent-down", "apiserver-stop", "namespace-flip", "rules-flush"}
 
 // errNoTarget: the fault found nothing to strike; it is neither injected
 // nor counted.
@@ -608,18 +607,62 @@ func (s *soak) fault(kind string, r *rand.Rand) error {
 		s.mu.Unlock()
 		return err
 	case "conflist-clobber":
+		// Something cleans the directory of a file it does not know
+		// (inpod's own) and the primary writes its own again: the
+		// runtime's chain lacks inpod until the agent's repair.
 		from := time.Now()
+		if err := os.Remove(filepath.Join(s.c.CNIConf, ownedConflist)); err != nil {
+			return err
+		}
 		if err := os.WriteFile(s.conflist, s.unchained, 0o644); err != nil {
 			return err
 		}
 		err := testkit.Poll(2*time.Minute, "the plugin chained again", func() (bool, error) {
-			data, err := os.ReadFile(s.conflist)
-			return err == nil && bytes.Contains(data, []byte(`"inpod-cni"`)), nil
+			return testkit.RuntimeChainEndsWith(s.c.CNIConf, "inpod-cni"), nil
 		})
 		s.mu.Lock()
 		s.clobbers = append(s.clobbers, interval{from, time.Now()})
 		s.mu.Unlock()
 		return err
+	case "primary-rewrite-agent-down":
+		// The primary CNI's installer writes its file while the agent is
+		// down (frozen: the kubelet would restart a killed one at once),
+		// as at a reboot; pods keep being created. The runtime's chain
+		// must keep inpod-cni throughout: no clobber window is recorded,
+		// so a pod set up meanwhile without inpod is a violation.
+		pids := containerProcs(s.c.Containerd, "inpod-agent")
+		if len(pids) == 0 {
+			return fmt.Errorf("no inpod-agent process")
+		}
+		for _, pid := range pids {
+			if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
+				return err
+			}
+		}
+		resume := func() {
+			for _, pid := range pids {
+				unix.Kill(pid, unix.SIGCONT)
+			}
+		}
+		from := time.Now()
+		if err := os.WriteFile(s.conflist, s.unchained, 0o644); err != nil {
+			resume()
+			return err
+		}
+		var lost bool
+		for time.Since(from) < time.Duration(4+r.Intn(5))*time.Second { // the agent's absence
+			if !testkit.RuntimeChainEndsWith(s.c.CNIConf, "inpod-cni") {
+				lost = true
+			}
+			time.Sleep(100 * time.Millisecond) // sampling the chain, not synchronising
+		}
+		resume()
+		s.mu.Lock()
+		s.nodeDown = append(s.nodeDown, interval{from, time.Now()})
+		s.mu.Unlock()
+		if lost {
+			s.violate("the primary's rewrite with the agent down took inpod-cni out of the runtime's chain")
+		}
 	case "apiserver-stop":
 		from := time.Now()
 		s.c.StopAPIServer()
