@@ -111,9 +111,13 @@ if grep -q -- '--binding=inpod-node-startup-taint\|"inpod-node-startup-taint"' <
   echo "uninstall hook deletes a node-taint binding the chart does not render" >&2; exit 1
 fi
 out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}' --set enrollment.readinessGate.enabled=false)
-if grep -q -- '--binding\|kind: ClusterRoleBinding' <<<"$(sed -n '/name: inpod-uninstall-hook/,$p' <<<"$out")"; then
+hook=$(sed -n '/name: inpod-uninstall-hook/,$p' <<<"$out")
+if grep -q -- '--binding\|mutatingadmissionpolicybindings' <<<"$hook"; then
   echo "uninstall hook deletes bindings the chart does not render" >&2; exit 1
 fi
+# Always: it lists the nodes (those still labelled inpod.dev/cni-installed
+# are named), and may do nothing else with them.
+grep -qF 'resources: [nodes]' <<<"$hook" && grep -qF 'verbs: [list]' <<<"$hook" || { echo "uninstall hook cannot list the nodes" >&2; exit 1; }
 out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}')
 if grep -q 'inpod-controller\|inpod-node-startup-taint' <<<"$out"; then
   echo "controller.enabled=false still renders inpod-controller objects" >&2; exit 1
