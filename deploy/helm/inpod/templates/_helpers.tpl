@@ -57,7 +57,8 @@ agent, as CEL matchConditions: never hostNetwork pods, never inpod's own
 user's, and the agent enrolls such a pod like any other). Never mirror pods either (the API copies of static pods):
 the kubelet runs the static manifest, not their spec, so a request would
 only skew the scheduler's accounting and an init container would never run
-(the agent still enrolls the static pod at its CNI ADD). The label and namespace rules are the bindings' selectors
+(where the agent has run, it still enrolls the static pod at its CNI ADD; on a node it has not
+reached yet nothing holds one). The label and namespace rules are the bindings' selectors
 (inpod.enrollmentBindings): a MutatingAdmissionPolicy cannot read the
 namespace's labels in CEL. */}}
 {{- define "inpod.enrolledPodConditions" -}}
