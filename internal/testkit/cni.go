@@ -24,10 +24,12 @@ func RuntimeConfig(dir string) (*libcni.NetworkConfigList, string, error) {
 			}
 			continue
 		}
+		//lint:ignore SA1019 runtimes still read a single-plugin .conf this way (containerd's go-cni)
 		conf, err := libcni.ConfFromFile(f)
 		if err != nil {
 			continue
 		}
+		//lint:ignore SA1019 as above
 		if list, err := libcni.ConfListFromConf(conf); err == nil {
 			return list, f, nil
 		}
