@@ -611,7 +611,7 @@ func (s *soak) fault(kind string, r *rand.Rand) error {
 		// (inpod's own) and the primary writes its own again: the
 		// runtime's chain lacks inpod until the agent's repair.
 		from := time.Now()
-		if err := os.Remove(filepath.Join(s.c.CNIConf, ownedConflist)); err != nil {
+		if err := os.Remove(filepath.Join(s.c.CNIConf, ownedConflist)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return err
 		}
 		if err := os.WriteFile(s.conflist, s.unchained, 0o644); err != nil {
