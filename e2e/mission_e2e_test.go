@@ -461,12 +461,9 @@ func TestE2EMission(t *testing.T) {
 		// (a node cut off during the removal). inpod stays on the node, the
 		// label with it, and helm uninstall names the node instead of
 		// deleting the agent's RBAC as if all were well.
-		pids := containerProcs(node.Containerd, "inpod-agent")
-		if len(pids) == 0 {
-			t.Fatal("no inpod-agent process")
-		}
-		for _, pid := range pids {
-			unix.Kill(pid, unix.SIGSTOP)
+		pids, _, err := freezeProcs(node.Containerd, "inpod-agent")
+		if err != nil {
+			t.Fatal(err)
 		}
 		hold(t, true)
 		zero := int64(0)

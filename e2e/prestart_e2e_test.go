@@ -12,8 +12,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
 
@@ -58,20 +56,10 @@ func TestE2EPreStartHoldsASandboxSetUpWithoutInpod(t *testing.T) {
 		return eventFor(ctx, c.Node, "mesh", "held", "FailedMount", "late") != ""
 	})
 
-	agents := containerProcs(c.Containerd, "inpod-agent")
-	if len(agents) == 0 {
-		t.Fatal("no inpod-agent process")
-	}
-	resume := func() {
-		for _, pid := range agents {
-			unix.Kill(pid, unix.SIGCONT)
-		}
-	}
+	_, resume, err := freezeProcs(c.Containerd, "inpod-agent")
 	t.Cleanup(resume)
-	for _, pid := range agents {
-		if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
-			t.Fatal(err)
-		}
+	if err != nil {
+		t.Fatal(err)
 	}
 	before := podAddresses()
 	if err := os.WriteFile(conflist, unchained, 0o644); err != nil {

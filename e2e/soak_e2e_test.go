@@ -630,19 +630,9 @@ func (s *soak) fault(kind string, r *rand.Rand) error {
 		// as at a reboot; pods keep being created. The runtime's chain
 		// must keep inpod-cni throughout: no clobber window is recorded,
 		// so a pod set up meanwhile without inpod is a violation.
-		pids := containerProcs(s.c.Containerd, "inpod-agent")
-		if len(pids) == 0 {
-			return fmt.Errorf("no inpod-agent process")
-		}
-		for _, pid := range pids {
-			if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
-				return err
-			}
-		}
-		resume := func() {
-			for _, pid := range pids {
-				unix.Kill(pid, unix.SIGCONT)
-			}
+		_, resume, err := freezeProcs(s.c.Containerd, "inpod-agent")
+		if err != nil {
+			return err
 		}
 		from := time.Now()
 		if err := os.WriteFile(s.conflist, s.unchained, 0o644); err != nil {

@@ -6,6 +6,7 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
+	"golang.org/x/sys/unix"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -186,6 +187,29 @@ func standinWorkloads(es []ztunnel.RecordEntry) map[string]string {
 		}
 	}
 	return ws
+}
+
+// freezeProcs stops (SIGSTOP) every process of the node's containers whose
+// comm is name, and returns them and what lets them run again (SIGCONT;
+// safe to call more than once). A process it could not stop is resumed
+// again before the error returns.
+func freezeProcs(containerd, name string) (pids []int, resume func(), err error) {
+	pids = containerProcs(containerd, name)
+	resume = func() {
+		for _, pid := range pids {
+			unix.Kill(pid, unix.SIGCONT)
+		}
+	}
+	if len(pids) == 0 {
+		return nil, resume, fmt.Errorf("no %s process", name)
+	}
+	for _, pid := range pids {
+		if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
+			resume()
+			return nil, resume, fmt.Errorf("stop %s (pid %d): %w", name, pid, err)
+		}
+	}
+	return pids, resume, nil
 }
 
 // containerProcs lists the pids of the node's running containers (their

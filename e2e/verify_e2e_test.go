@@ -17,7 +17,6 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -388,16 +387,6 @@ func (c *chartNode) verifierRepairs(t *testing.T, app, peer *corev1.Pod) {
 // mesh, and nothing else will restart it.
 func (c *chartNode) relabelAfterStalledDel(t *testing.T, app *corev1.Pod, appNS, rules string) {
 	ctx := c.ctx
-	standIns := containerProcs(c.Containerd, "ztunnel-standin")
-	if len(standIns) == 0 {
-		t.Fatal("no ztunnel-standin process to freeze")
-	}
-	resume := func() {
-		for _, pid := range standIns {
-			unix.Kill(pid, unix.SIGCONT)
-		}
-	}
-	t.Cleanup(resume)
 	label := func(value string) {
 		t.Helper()
 		patch := fmt.Sprintf(`{"metadata":{"labels":{%q:%s}}}`, enroll.DataplaneModeLabel, value)
@@ -405,10 +394,10 @@ func (c *chartNode) relabelAfterStalledDel(t *testing.T, app *corev1.Pod, appNS,
 			t.Fatal(err)
 		}
 	}
-	for _, pid := range standIns {
-		if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
-			t.Fatal(err)
-		}
+	_, resume, err := freezeProcs(c.Containerd, "ztunnel-standin")
+	t.Cleanup(resume)
+	if err != nil {
+		t.Fatal(err)
 	}
 	label(strconv.Quote(enroll.DataplaneNone))
 	unlabelled := time.Now()

@@ -149,24 +149,32 @@ func TestInstallGoldenAndUninstallRestores(t *testing.T) {
 				t.Error("a second Install rewrote the configuration")
 			}
 
-			if err := inst.Uninstall(); err != nil {
-				t.Fatal(err)
-			}
-			after := snapshot(t, e.confDir)
-			if len(after) != len(original) {
-				t.Errorf("after Uninstall the dir has %d files, had %d", len(after), len(original))
-			}
-			for name, f := range original {
-				if after[name].data != f.data {
-					t.Errorf("Uninstall did not restore %s:\n%s\nwant:\n%s", name, after[name].data, f.data)
-				}
-			}
-			for _, name := range []string{"inpod-cni", "inpod-cni-apicheck"} {
-				if _, err := os.Stat(filepath.Join(e.binDir, name)); !os.IsNotExist(err) {
-					t.Errorf("Uninstall left %s", name)
-				}
-			}
+			uninstallRestores(t, e, inst, original)
 		})
+	}
+}
+
+// uninstallRestores runs Uninstall and checks that the conf dir holds
+// exactly the files it held before the install, with their bytes, and that
+// both binaries are gone.
+func uninstallRestores(t *testing.T, e *env, inst *cniinstall.Installer, original map[string]fileInfo) {
+	t.Helper()
+	if err := inst.Uninstall(); err != nil {
+		t.Fatal(err)
+	}
+	after := snapshot(t, e.confDir)
+	if len(after) != len(original) {
+		t.Errorf("after Uninstall the dir has %d files, had %d", len(after), len(original))
+	}
+	for name, f := range original {
+		if after[name].data != f.data {
+			t.Errorf("Uninstall did not restore %s:\n%s\nwant:\n%s", name, after[name].data, f.data)
+		}
+	}
+	for _, name := range []string{"inpod-cni", "inpod-cni-apicheck"} {
+		if _, err := os.Stat(filepath.Join(e.binDir, name)); !os.IsNotExist(err) {
+			t.Errorf("Uninstall left %s", name)
+		}
 	}
 }
 

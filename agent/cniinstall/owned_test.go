@@ -75,18 +75,7 @@ func TestOwnedCopiesThePrimaryAndLeavesItAlone(t *testing.T) {
 				t.Error("a second Install rewrote inpod's file")
 			}
 
-			if err := inst.Uninstall(); err != nil {
-				t.Fatal(err)
-			}
-			after := snapshot(t, e.confDir)
-			if len(after) != len(original) {
-				t.Errorf("after Uninstall the dir has %d files, had %d", len(after), len(original))
-			}
-			for name, f := range original {
-				if after[name] != f {
-					t.Errorf("Uninstall changed %s", name)
-				}
-			}
+			uninstallRestores(t, e, inst, original)
 		})
 	}
 }
