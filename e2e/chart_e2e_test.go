@@ -202,6 +202,24 @@ func runTestApp(t *testing.T, ctx context.Context, node *cluster.Node, ns, name 
 func waitReady(t *testing.T, ctx context.Context, node *cluster.Node, ns, name string) *corev1.Pod {
 	t.Helper()
 	var got *corev1.Pod
+	// On a timeout here, say where the pod was: its node, phase, conditions
+	// and events (otherwise the failure says nothing of why).
+	returned := false
+	t.Cleanup(func() {
+		if returned || !t.Failed() {
+			return
+		}
+		dctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if p, err := node.Client.CoreV1().Pods(ns).Get(dctx, name, metav1.GetOptions{}); err == nil {
+			t.Logf("%s/%s at the failure: node %q phase %s conditions %+v", ns, name, p.Spec.NodeName, p.Status.Phase, p.Status.Conditions)
+		}
+		if evs, err := node.Client.CoreV1().Events(ns).List(dctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + name}); err == nil {
+			for _, e := range evs.Items {
+				t.Logf("  event %s %s (x%d): %s", e.Type, e.Reason, e.Count, e.Message)
+			}
+		}
+	})
 	testkit.Eventually(t, 2*time.Minute, ns+"/"+name+" Ready", func() bool {
 		p, err := node.Client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
 		if err != nil || p.Status.Phase != corev1.PodRunning || p.Status.PodIP == "" {
@@ -215,6 +233,7 @@ func waitReady(t *testing.T, ctx context.Context, node *cluster.Node, ns, name s
 		}
 		return false
 	})
+	returned = true
 	return got
 }
 
