@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 )
@@ -162,9 +163,9 @@ func jsonEqual(a, b []byte) bool {
 
 // primaryConfig finds the file a runtime would use: the lexicographically
 // first file with a CNI extension that parses as a valid configuration,
-// not counting the file named skip (inpod's own, when finding the
+// not counting the files named skip (inpod's own, when finding the
 // primary's).
-func primaryConfig(dir, skip string) (string, *conflist, error) {
+func primaryConfig(dir string, skip ...string) (string, *conflist, error) {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
 		return "", nil, err
@@ -182,7 +183,7 @@ func primaryConfig(dir, skip string) (string, *conflist, error) {
 	sort.Strings(names)
 	var skipped []string
 	for _, name := range names {
-		if name == skip {
+		if slices.Contains(skip, name) {
 			continue
 		}
 		data, err := os.ReadFile(filepath.Join(dir, name))

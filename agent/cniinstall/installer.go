@@ -180,7 +180,7 @@ func (i *Installer) Check() Status {
 			return Status{Reason: fmt.Sprintf("%s, left from the owned mode, comes first in %s", left, i.cfg.ConfDir)}
 		}
 	}
-	path, list, err := primaryConfig(i.cfg.ConfDir, "")
+	path, list, err := primaryConfig(i.cfg.ConfDir)
 	if err != nil {
 		return Status{Reason: err.Error()}
 	}
@@ -192,7 +192,7 @@ func (i *Installer) Check() Status {
 
 func (i *Installer) checkOwned() Status {
 	owned := filepath.Join(i.cfg.ConfDir, i.cfg.OwnedFile)
-	primaryPath, primary, err := primaryConfig(i.cfg.ConfDir, i.cfg.OwnedFile)
+	primaryPath, primary, err := primaryConfig(i.cfg.ConfDir, i.cfg.OwnedFile, i.recordedOwned())
 	if err != nil {
 		return Status{Conflist: owned, Reason: err.Error()}
 	}
@@ -207,7 +207,7 @@ func (i *Installer) checkOwned() Status {
 	if !jsonEqual(data, want) {
 		return Status{Conflist: owned, Reason: fmt.Sprintf("%s is not %s with inpod-cni last: the primary changed, or the copy did", owned, primaryPath)}
 	}
-	if used, _, err := primaryConfig(i.cfg.ConfDir, ""); err != nil || used != owned {
+	if used, _, err := primaryConfig(i.cfg.ConfDir); err != nil || used != owned {
 		return Status{Conflist: owned, Reason: fmt.Sprintf("the runtime uses %s, not %s: name inpod's file to sort before it", used, owned)}
 	}
 	return Status{Installed: true, Conflist: owned}
@@ -272,19 +272,17 @@ func (i *Installer) chain(path string, list *conflist) (string, error) {
 	return target, nil
 }
 
-// installOwned writes inpod's file from the primary's. With no primary
-// there is no chain to copy: inpod's file goes too, as the runtime would
-// have no configuration without inpod, rather than keep a chain of plugins
-// the node no longer has.
+// installOwned writes inpod's file from the primary's. With no valid
+// primary file (being rewritten, or the primary uninstalled) inpod's file
+// stays as it is: removing it would let the runtime use the primary's
+// file, without inpod, the moment it comes back; the node is reported not
+// installed meanwhile.
 func (i *Installer) installOwned() (Status, error) {
 	owned := filepath.Join(i.cfg.ConfDir, i.cfg.OwnedFile)
-	primaryPath, primary, err := primaryConfig(i.cfg.ConfDir, i.cfg.OwnedFile)
+	// Not the file a rename leaves either: it is inpod's old copy.
+	previous := i.recordedOwned()
+	primaryPath, primary, err := primaryConfig(i.cfg.ConfDir, i.cfg.OwnedFile, previous)
 	if err != nil {
-		if errors.Is(err, errNoConfig) && i.recordedOwned() == i.cfg.OwnedFile {
-			if rmErr := os.Remove(owned); rmErr == nil {
-				i.log.Warn("removed inpod's CNI configuration: the primary's is gone", "file", owned)
-			}
-		}
 		return Status{Conflist: owned, Reason: err.Error()}, err
 	}
 	data, err := primary.withEntry(i.entry).marshal()
@@ -295,22 +293,31 @@ func (i *Installer) installOwned() (Status, error) {
 		err := fmt.Errorf("cniinstall: %s exists and is not inpod's (never written by inpod, and its chain does not end with inpod-cni); not overwriting it: choose another --cni-owned-config-file", owned)
 		return Status{Conflist: owned, Reason: err.Error()}, err
 	}
-	// The record first: a crash after the write still leaves the name
-	// for Uninstall and for a change of mode.
-	renamed, err := i.recordOwned()
-	if err != nil {
-		return Status{Conflist: owned, Reason: err.Error()}, err
-	}
 	if cur, err := os.ReadFile(owned); err != nil || !jsonEqual(cur, data) {
 		if err := writeFile(owned, data, 0o644); err != nil {
 			return Status{Conflist: owned, Reason: err.Error()}, err
 		}
 		i.log.Info("wrote inpod's CNI configuration from the primary's", "file", owned, "primary", primaryPath)
 	}
+	// A renamed file's old copy goes before the record names the new
+	// one: a crash in between leaves the old name recorded, removed on
+	// the next start, never an old copy no record names.
+	renamed := ""
+	if previous != "" && previous != i.cfg.OwnedFile {
+		renamed = previous
+	}
 	if renamed != "" {
 		if err := os.Remove(filepath.Join(i.cfg.ConfDir, renamed)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return Status{Conflist: owned, Reason: err.Error()}, fmt.Errorf("cniinstall: %w", err)
 		}
+	}
+	if err := i.recordOwned(); err != nil {
+		return Status{Conflist: owned, Reason: err.Error()}, err
+	}
+	// Only once the runtime uses inpod's file: a name that sorts after
+	// the primary's must not cost the primary's file its entry.
+	if used, _, err := primaryConfig(i.cfg.ConfDir); err != nil || used != owned {
+		return i.checkOwned(), fmt.Errorf("cniinstall: the runtime uses %s, not %s: name inpod's file to sort before it", used, owned)
 	}
 	// An entry left in the primary's file by the chained mode goes once
 	// inpod's file is in place, so nothing but inpod's file chains it.
@@ -333,10 +340,16 @@ func (i *Installer) mayWriteOwned(path string) bool {
 	if i.recordedOwned() == i.cfg.OwnedFile {
 		return true
 	}
-	data, err := os.ReadFile(path)
-	if errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
 		return true
 	}
+	return i.endsWithInpod(path)
+}
+
+// endsWithInpod says whether the file at path is a configuration whose
+// chain ends with inpod-cni.
+func (i *Installer) endsWithInpod(path string) bool {
+	data, err := os.ReadFile(path)
 	if err != nil {
 		return false
 	}
@@ -361,18 +374,15 @@ func (i *Installer) recordedOwned() string {
 	return name
 }
 
-// recordOwned records the owned file's name and returns the one recorded
-// before, when it differs: the caller removes that file once the new one
-// is in place.
-func (i *Installer) recordOwned() (previous string, err error) {
-	old := i.recordedOwned()
-	if old == i.cfg.OwnedFile {
-		return "", nil
+// recordOwned records the owned file's name.
+func (i *Installer) recordOwned() error {
+	if i.recordedOwned() == i.cfg.OwnedFile {
+		return nil
 	}
 	if err := os.MkdirAll(i.cfg.StateDir, 0o700); err != nil {
-		return "", fmt.Errorf("cniinstall: %w", err)
+		return fmt.Errorf("cniinstall: %w", err)
 	}
-	return old, writeFile(i.ownedRecord(), []byte(i.cfg.OwnedFile+"\n"), 0o600)
+	return writeFile(i.ownedRecord(), []byte(i.cfg.OwnedFile+"\n"), 0o600)
 }
 
 // forgetOwned removes a file the owned mode wrote, and its record.
@@ -439,7 +449,9 @@ func (i *Installer) backup(path string) error {
 // away the plugin stays, so enrolled pods fail closed.
 func (i *Installer) Uninstall() error {
 	for _, name := range []string{i.cfg.OwnedFile, i.recordedOwned()} {
-		if name != "" {
+		// Only inpod's: a configured name that is another CNI's file
+		// (refused at install) must not be deleted at removal.
+		if name != "" && (name == i.recordedOwned() || i.endsWithInpod(filepath.Join(i.cfg.ConfDir, name))) {
 			if err := i.forgetOwned(name); err != nil {
 				return err
 			}

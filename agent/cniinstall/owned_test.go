@@ -6,7 +6,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/inpod-dev/inpod/agent/cniinstall"
 	"github.com/inpod-dev/inpod/internal/testkit"
@@ -204,7 +203,7 @@ func TestUninstallRemovesARecordedOwnedFile(t *testing.T) {
 	}
 }
 
-func TestOwnedFileGoesWithThePrimary(t *testing.T) {
+func TestOwnedFileFollowsThePrimaryAndOutlivesItsRewrite(t *testing.T) {
 	e := newEnv(t, "cilium")
 	changes := runInstaller(t, e, owned)
 	expectChange(t, changes, false)
@@ -223,18 +222,57 @@ func TestOwnedFileGoesWithThePrimary(t *testing.T) {
 		t.Fatalf("inpod's file did not follow the primary's:\n%s", copy)
 	}
 
-	// The primary uninstalled: no chain to copy, so no file of inpod's
-	// either.
+	// The primary's file gone (an installer that deletes, then writes):
+	// not installed, but inpod's file stays, so the runtime never picks
+	// the primary's new file without inpod in between.
 	if err := os.Remove(primary); err != nil {
 		t.Fatal(err)
 	}
 	if c := expectChange(t, changes, false); !strings.Contains(c.reason, "no valid CNI configuration") {
 		t.Fatalf("reason %q", c.reason)
 	}
-	testkit.Eventually(t, 10*time.Second, "inpod's file gone with the primary's", func() bool {
-		_, err := os.Stat(filepath.Join(e.confDir, ownedName))
-		return os.IsNotExist(err)
-	})
+	if err := os.WriteFile(primary, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	expectChange(t, changes, true)
+	wantChain(t, e.confDir, ownedName, "cilium-cni", "inpod-cni")
+}
+
+// A switch to the owned mode with a name that sorts after the primary's
+// leaves the primary's entry in place: the runtime keeps a chain with
+// inpod-cni, and the node is reported not installed, naming the file.
+func TestOwnedNameSortingLateKeepsTheChainedEntry(t *testing.T) {
+	e := newEnv(t, "calico")
+	if _, err := e.installer(t, nil).Install(); err != nil {
+		t.Fatal(err)
+	}
+	late := e.installer(t, func(c *cniinstall.Config) { c.OwnedFile = "99-inpod.conflist" })
+	if st, err := late.Install(); err == nil || st.Installed {
+		t.Fatalf("Install with a late name = %+v, %v; want not installed", st, err)
+	}
+	wantChain(t, e.confDir, "10-calico.conflist", "calico", "portmap", "bandwidth", "inpod-cni")
+}
+
+// A renamed owned file is copied from the primary's, not from inpod's old
+// copy (which sorts first), and the old copy goes.
+func TestOwnedRenameCopiesThePrimary(t *testing.T) {
+	e := newEnv(t, "calico")
+	if _, err := e.installer(t, owned).Install(); err != nil {
+		t.Fatal(err)
+	}
+	primary := filepath.Join(e.confDir, "10-calico.conflist")
+	data, _ := os.ReadFile(primary)
+	if err := os.WriteFile(primary, []byte(strings.Replace(string(data), `"portmap"`, `"tuning"`, 1)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	renamed := e.installer(t, func(c *cniinstall.Config) { c.OwnedFile = "01-inpod.conflist" })
+	if _, err := renamed.Install(); err != nil {
+		t.Fatal(err)
+	}
+	wantChain(t, e.confDir, "01-inpod.conflist", "calico", "tuning", "bandwidth", "inpod-cni")
+	if _, err := os.Stat(filepath.Join(e.confDir, ownedName)); !os.IsNotExist(err) {
+		t.Fatal("the old copy stayed")
+	}
 }
 
 // An owned file name that is another CNI's file, by mistake, is refused:
@@ -249,9 +287,13 @@ func TestOwnedNameOfAnotherCNIsFileIsRefused(t *testing.T) {
 	if after := snapshot(t, e.confDir); after["10-primary.conflist"] != original["10-primary.conflist"] {
 		t.Fatal("the other CNI's file was changed")
 	}
-	// Nor removed when no other configuration is left to copy.
+	// Nor removed when no other configuration is left to copy, nor by an
+	// uninstall.
 	os.Remove(filepath.Join(e.confDir, "20-other.conflist"))
 	inst.Install()
+	if err := inst.Uninstall(); err != nil {
+		t.Fatal(err)
+	}
 	if _, err := os.Stat(filepath.Join(e.confDir, "10-primary.conflist")); err != nil {
 		t.Fatalf("the other CNI's file was removed: %v", err)
 	}
