@@ -138,10 +138,10 @@ soak: deps ## TestE2ESoak for INPOD_SOAK_DURATION (default 20m, >= 500 pods) und
 # Benchmarks print medians, p99s and ratios against floors measured in the
 # same run. Each benchmark also appends its figures to BENCH_FIGURES
 # (internal/benchreport), which the last step renders as one table:
-# printed, and written to BENCHMARKS.md (linked from the README).
+# printed, and written to docs/benchmarks.md (linked from the README).
 BENCH_FIGURES := $(BIN)/bench-figures.jsonl
 BENCH = INPOD_BENCH_REPORT=$(BENCH_FIGURES) $(GO) test -count=1 -run '^$$'
-bench: deps ## every benchmark; one report of every figure next to its floor, into BENCHMARKS.md
+bench: deps ## every benchmark; one report of every figure next to its floor, into docs/benchmarks.md
 	@mkdir -p $(BIN) && : > $(BENCH_FIGURES)
 	$(BENCH) -bench . -benchtime 2000x ./zds/
 	$(BENCH) -bench . -benchtime 200x ./agent/redirect/
@@ -156,7 +156,7 @@ bench: deps ## every benchmark; one report of every figure next to its floor, in
 # outside the mesh on a real node per gate mode (tag e2e, under the e2e
 # lock); benchreport.HeadlineSection puts it first in the report.
 	$(K8S_ENV) flock /tmp/inpod-e2e.lock env $(BENCH) -tags e2e -bench E2EPodStartup -benchtime 1x -timeout 40m ./e2e/
-	$(GO) run ./internal/benchreport/cmd/benchreport -in $(BENCH_FIGURES) -out $(CURDIR)/BENCHMARKS.md
+	$(GO) run ./internal/benchreport/cmd/benchreport -in $(BENCH_FIGURES) -out $(CURDIR)/docs/benchmarks.md
 
 # Pinned Kubernetes and etcd binaries for the test node, cached outside the
 # repo (INPOD_CACHE_DIR, default /var/cache/inpod): ~17 min cold, seconds warm.

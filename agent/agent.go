@@ -390,6 +390,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		return nil, err
 	}
 	p.conditions = podcondition.New(podcondition.Config{Client: p.client, Logger: a.log, Current: p.pods.cachedPod, Observer: a.Metrics.PodConditions()})
+	p.annotations.WriteAfter(p.conditions)
 	p.presence = newZtunnelPresence(cfg.ZtunnelGrace)
 	round := &verifyRound{pipeline: func() *enroll.Pipeline { return p.pipeline }, pods: p.pods, sweepEvery: enroll.DefaultSweepEvery}
 	p.verifier = newVerifier(cfg.VerifyPeriod, round.run, p.activity)

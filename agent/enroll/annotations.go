@@ -51,8 +51,62 @@ type AnnotationWriter struct {
 	backlogFull chan struct{}
 	draining    bool
 
+	// first, maxHold and heldSince: see WriteAfter (heldSince is Run's
+	// only).
+	first     PendingWrites
+	maxHold   time.Duration
+	heldSince map[annotatedPod]time.Time
+
 	mu   sync.Mutex
 	want map[annotatedPod]string
+}
+
+// PendingWrites is another writer to pods whose pending write to a pod
+// object must land before that pod's annotation (the readiness condition).
+type PendingWrites interface {
+	PendingFor(pod types.NamespacedName, uid types.UID) bool
+}
+
+// MaxHoldForFirst bounds how long WriteAfter holds an annotation back: a
+// condition the API server keeps refusing must not keep the annotation
+// away for good.
+const MaxHoldForFirst = 2 * time.Second
+
+// holdRecheck is how often a held annotation looks again: the write it
+// waits for is one patch, ~10 ms.
+const holdRecheck = 10 * time.Millisecond
+
+// WriteAfter makes the writer hold a pod's annotation back while first has
+// a write pending for that pod object, up to MaxHoldForFirst. The kubelet
+// needs this order for the readiness condition: a metadata change it sees
+// before the condition queues a sync of the pod as it was then, and when
+// that sync is the one that finds the containers running it reports Ready
+// False for want of the condition; Ready then waits for the kubelet's next
+// relist. Measured on the real node: 7 of 20 enrolled pods whose
+// annotation landed first were Ready 100–200 ms late, none of the others.
+// Call it before Run.
+func (w *AnnotationWriter) WriteAfter(first PendingWrites) {
+	w.first = first
+}
+
+// heldForFirst says whether the pod's annotation waits for first's write;
+// if so it is queued again.
+func (w *AnnotationWriter) heldForFirst(pod annotatedPod) bool {
+	if w.first == nil || !w.first.PendingFor(pod.NamespacedName, pod.UID) {
+		delete(w.heldSince, pod)
+		return false
+	}
+	since, held := w.heldSince[pod]
+	if !held {
+		since = time.Now()
+		w.heldSince[pod] = since
+	}
+	if time.Since(since) >= w.maxHold {
+		delete(w.heldSince, pod)
+		return false
+	}
+	w.queue.AddAfter(pod, holdRecheck)
+	return true
 }
 
 // annotatedPod names one pod object: a StatefulSet's pod comes back under
@@ -93,6 +147,8 @@ func NewAnnotationWriter(client kubernetes.Interface, busy Activity, log *slog.L
 		maxDefer:    MaxDefer,
 		backlogFull: make(chan struct{}, 1),
 		want:        map[annotatedPod]string{},
+		maxHold:     MaxHoldForFirst,
+		heldSince:   map[annotatedPod]time.Time{},
 	}
 }
 
@@ -130,6 +186,10 @@ func (w *AnnotationWriter) Run(ctx context.Context) {
 			return
 		}
 		w.yield(ctx)
+		if w.heldForFirst(pod) {
+			w.queue.Done(pod)
+			continue
+		}
 		err := w.write(ctx, pod)
 		if err != nil {
 			w.log.Warn("annotation not written yet; retrying", "pod", pod, "err", err)

@@ -323,3 +323,71 @@ func TestAnnotationWriterRefusesAWriteWithoutAUID(t *testing.T) {
 		}
 	}
 }
+
+// pendingFirst plays the condition writer for WriteAfter: a write pending
+// until released, and how often the annotation writer asked.
+type pendingFirst struct {
+	mu       sync.Mutex
+	pending  bool
+	askedFor int
+}
+
+func (f *pendingFirst) PendingFor(types.NamespacedName, types.UID) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.askedFor++
+	return f.pending
+}
+
+func (f *pendingFirst) asked() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.askedFor
+}
+
+func (f *pendingFirst) release() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.pending = false
+}
+
+// The annotation waits for the pod's pending condition (the kubelet must
+// see the condition first, or Ready waits for its next relist), and not
+// for ever when that write does not land.
+func TestAnnotationWriterWritesAfterThePendingCondition(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		release bool
+	}{{"the condition lands", true}, {"the condition never lands", false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			client := fake.NewClientset(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "a", UID: uidOf("a")}})
+			w := NewAnnotationWriter(client, nil, slog.New(slog.DiscardHandler))
+			first := &pendingFirst{pending: true}
+			w.WriteAfter(first)
+			if !tc.release {
+				w.maxHold = time.Second
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan struct{})
+			go func() { defer close(done); w.Run(ctx) }()
+			t.Cleanup(func() { cancel(); <-done })
+			w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), AnnotationEnabled)
+			patched := func() bool {
+				for _, a := range client.Actions() {
+					if a.GetVerb() == "patch" {
+						return true
+					}
+				}
+				return false
+			}
+			testkit.Eventually(t, 10*time.Second, "the writer looking again", func() bool { return first.asked() >= 3 })
+			if patched() {
+				t.Fatal("the annotation was written while the condition was pending")
+			}
+			if tc.release {
+				first.release()
+			}
+			testkit.Eventually(t, 10*time.Second, "the annotation written", patched)
+		})
+	}
+}

@@ -528,13 +528,17 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	// Enrolled with a netns now: its Add has replaced the Keep.
 	p.setHeld(pod.UID, nil)
 	p.forgetEnded(pod)
-	p.cfg.Annotations.Set(key, pod.UID, AnnotationEnabled)
 	if loss != "" {
 		p.settle(pod, ne, loss, lossDetail)
+	} else {
+		p.settle(pod, ne, ztunnelLoss, ztunnelDetail)
+	}
+	// The condition is asked for first: see AnnotationWriter.WriteAfter.
+	p.cfg.Annotations.Set(key, pod.UID, AnnotationEnabled)
+	if loss != "" {
 		p.verifySoon()
 		return fmt.Errorf("pod %s enrolled, but its redirection is not proven: %s", key, lossDetail)
 	}
-	p.settle(pod, ne, ztunnelLoss, ztunnelDetail)
 	if ztunnelLoss != "" {
 		p.verifySoon()
 	}

@@ -252,6 +252,15 @@ func (w *Writer) Flush(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
+// PendingFor says whether the pod object waits for a write (or one is in
+// flight).
+func (w *Writer) PendingFor(pod types.NamespacedName, uid types.UID) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	_, pending := w.want[podKey{pod, uid}]
+	return pending
+}
+
 // Pending is how many pod objects wait for a write.
 func (w *Writer) Pending() int {
 	w.mu.Lock()
