@@ -6,7 +6,6 @@ import (
 	"context"
 	"fmt"
 	"math"
-	"os"
 	"slices"
 	"sync"
 	"testing"
@@ -75,16 +74,6 @@ func startPods(ctx context.Context, b testing.TB, c kubernetes.Interface, ns, pr
 			at := waitEvent(ctx, b, w, deadline, ns+"/"+name+" Ready", func(o any) bool {
 				p, ok := ready(o)
 				got = p
-				if os.Getenv("INPOD_DEBUG_TIMELINE") != "" && p != nil {
-					var cs []string
-					for _, c := range p.Status.Conditions {
-						cs = append(cs, string(c.Type)+"="+string(c.Status))
-					}
-					for _, c := range p.Status.ContainerStatuses {
-						cs = append(cs, fmt.Sprintf("ctr-started=%v", c.State.Running != nil))
-					}
-					b.Logf("TIMELINE %s %6.0fms rv=%s %v", name, float64(time.Since(start).Microseconds())/1000, p.ResourceVersion, cs)
-				}
 				return ok
 			})
 			took = append(took, at.Sub(start))
