@@ -15,6 +15,9 @@ import (
 	"github.com/inpod-dev/inpod/netns"
 )
 
+// The CNI verbs: ADD enrolls a new sandbox, DEL unenrolls the sandbox a
+// pod is enrolled with, CHECK re-applies an enrolled pod's rules.
+
 // Add handles the plugin's ADD: the pod is enrolled or not, decided from
 // positive knowledge of the pod and, where the pod's labels leave it open,
 // its namespace; when it is, its rules are applied and ztunnel has

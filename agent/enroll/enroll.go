@@ -16,6 +16,10 @@ import (
 	"github.com/inpod-dev/inpod/zds"
 )
 
+// Enrolling a sandbox (record, rules, probe exemptions, table, ztunnel,
+// annotation), undoing it when a new sandbox's start fails, and taking a
+// pod out of the mesh again.
+
 // sandbox is one pod sandbox as enroll takes it.
 type sandbox struct {
 	netns *os.File

@@ -15,6 +15,10 @@ import (
 	"github.com/inpod-dev/inpod/zds"
 )
 
+// Running pods: Reconcile brings one to what the policy says, Restore does
+// so for an agent that starts (with the node's records of pods with rules),
+// and the procfs check of an enrolled pod's sandbox.
+
 // Reconcile brings one running pod to what the policy says: enrolled pods
 // found through procfs get their rules (an intact set is left alone, so a
 // restarted agent never disturbs running traffic), unenrolled or finished

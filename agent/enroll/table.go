@@ -13,6 +13,10 @@ import (
 	"github.com/inpod-dev/inpod/zds"
 )
 
+// The enrolled-pod table (enrolled and held pods, under p.mu): its
+// accessors and queries, the look-up of the pod a CNI request names, and
+// the marks of ended sandboxes (relabelled out while draining, DEL seen).
+
 func (p *Pipeline) entry(uid types.UID) *entry {
 	p.mu.Lock()
 	defer p.mu.Unlock()
