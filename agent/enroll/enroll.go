@@ -56,60 +56,18 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	if sb.containerID == "" && sameSandbox {
 		sb.containerID = old.containerID
 	}
-	// Every failure below goes through abort, which undoes what this call
+	// Every failure below goes through rb.abort, which undoes what this call
 	// did to a new sandbox and reports why.
-	var applied, rulesWritten, published, recorded bool
-	var exempted []netip.Addr // probe exemptions this call added
-	abort := func(f error) error {
-		if fromCNI && !sameSandbox {
-			if published {
-				p.unpublish(ctx, pod.UID, old)
-			}
-			// The record goes only once no rules can be in the netns: none
-			// applied, or this call's taken out again. Rules that were
-			// there already (an intact set is not rewritten) stay, and so
-			// does the record.
-			rulesOut := !applied
-			if rulesWritten {
-				if _, err := p.cfg.Rules.Remove(sb.netns); err != nil {
-					p.log.Error("could not take the rules out of a sandbox whose start failed", "pod", key, "err", err)
-				} else {
-					rulesOut = true
-				}
-			}
-			// A pod held from the previous agent keeps its record: the
-			// sandbox whose rules it stands for is not this one.
-			if recorded && rulesOut && p.heldPod(pod.UID) == nil {
-				if err := p.forget(pod.UID); err != nil {
-					p.log.Warn("could not drop the record of a sandbox whose start failed; the next agent takes the pod for enrolled before", "pod", key, "err", err)
-				}
-			}
-		}
-		// An exemption left behind would SNAT the node's probes to the
-		// next pod given this IP, which may be outside the mesh.
-		for _, ip := range exempted {
-			if old != nil && slices.Contains(old.ips, ip) {
-				continue
-			}
-			if err := p.cfg.Probes.Remove(ip); err != nil {
-				p.log.Error("could not drop the probe exemption of a sandbox whose start failed; pruned at the next restart", "pod", key, "ip", ip, "err", err)
-			}
-		}
-		if fromCNI && sameSandbox && published {
-			p.setEntry(pod.UID, old)
-		}
-		sb.netns.Close()
-		return p.report(pod, f)
-	}
+	rb := &rollback{p: p, ctx: ctx, pod: pod, key: key, netns: sb.netns, old: old, fromCNI: fromCNI, sameSandbox: sameSandbox}
 
 	if old == nil {
 		if err := p.record(pod.UID); err != nil {
-			return abort(fail("RecordFailed", "record the pod as enrolled on the node before its rules: %v", err))
+			return rb.abort(fail("RecordFailed", "record the pod as enrolled on the node before its rules: %v", err))
 		}
-		recorded = true
+		rb.recorded = true
 		p.cfg.Annotations.Set(key, pod.UID, AnnotationPending)
 	}
-	applied = true
+	rb.applied = true
 	// A running pod (reconcile, restart) keeps what this call applied when
 	// a later step fails: it is enrolled unproven, so a removal finds its
 	// rules and the verifier retries. Rolled back like a new sandbox's, it
@@ -117,14 +75,14 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	// mesh would be black-holed.
 	loss, lossDetail := "", ""
 	changed, err := p.cfg.Rules.Apply(sb.netns)
-	rulesWritten = changed
+	rb.rulesWritten = changed
 	if changed && sb.unrecorded {
 		p.ranUnredirected(pod)
 	}
 	if err != nil {
 		f := fail("RedirectionFailed", "apply redirection rules: %v", err)
 		if fromCNI {
-			return abort(f)
+			return rb.abort(f)
 		}
 		loss, lossDetail = "RulesNotRepaired", p.report(pod, f).Error()
 	}
@@ -134,14 +92,14 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 			f := fail("ProbeExemptionFailed", "exempt kubelet probes to %s: %v", ip, err)
 			if fromCNI {
 				p.probeMu.RUnlock()
-				return abort(f)
+				return rb.abort(f)
 			}
 			if loss == "" {
 				loss, lossDetail = "ProbeExemptionFailed", p.report(pod, f).Error()
 			}
 			continue
 		}
-		exempted = append(exempted, ip)
+		rb.exempted = append(rb.exempted, ip)
 	}
 	info := zds.Workload{UID: string(pod.UID), Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName, NetNS: sb.netns}
 	ne := &entry{pod: key, netns: sb.netns, id: id, containerID: sb.containerID, sandboxUID: SandboxUID(pod), ips: sb.ips, info: info,
@@ -152,7 +110,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	}
 	p.setEntry(pod.UID, ne)
 	p.probeMu.RUnlock()
-	published = true
+	rb.published = true
 	ztunnelLoss, ztunnelDetail := "", ""
 	if loss == "RulesNotRepaired" {
 		// Rules that may not be in place: ztunnel gets the pod from the
@@ -162,7 +120,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 		if fromCNI {
 			// Rules without ztunnel's listeners would black-hole the
 			// pod's traffic; the pod does not start anyway.
-			return abort(fail(reason, "hand the pod to ztunnel: %v", err))
+			return rb.abort(fail(reason, "hand the pod to ztunnel: %v", err))
 		}
 		// Not an error for the caller: the pod is in the table, so in
 		// every snapshot. With no ztunnel connected (an agent that starts
@@ -207,6 +165,83 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	}
 	p.log.Info("pod enrolled", "pod", key, "uid", pod.UID, "netns", id, "containerID", sb.containerID, "ips", sb.ips)
 	return nil
+}
+
+// rollback undoes what one enroll did before a step failed. enroll notes
+// each step in it as the step is taken; abort takes back, from those notes,
+// what the failure leaves wrong. For a new sandbox (a CNI ADD whose netns is
+// not the enrolled one) that is everything the call did; for a CNI ADD of
+// the sandbox already enrolled, the probe exemptions the old entry did not
+// have, and the old entry comes back. A running pod (reconcile, restart)
+// aborts only when it cannot be recorded, before any other step; a later
+// failure leaves it enrolled unproven (see enroll).
+type rollback struct {
+	p     *Pipeline
+	ctx   context.Context
+	pod   *corev1.Pod
+	key   types.NamespacedName
+	netns *os.File // the sandbox's: abort closes it
+	// old is the pod's entry before this call (nil: none), sameSandbox
+	// whether it holds this call's netns.
+	old                  *entry
+	fromCNI, sameSandbox bool
+
+	// The steps taken so far.
+	recorded     bool         // the pod recorded on the node by this call
+	applied      bool         // its rules applied (or tried: a failed Apply may leave some)
+	rulesWritten bool         // the rules Apply changed in the netns
+	exempted     []netip.Addr // probe exemptions this call added
+	published    bool         // this call's entry in the table
+}
+
+// abort undoes the steps taken, closes the sandbox's netns and reports f.
+func (r *rollback) abort(f error) error {
+	if r.fromCNI && !r.sameSandbox {
+		r.undoNewSandbox()
+	}
+	// An exemption left behind would SNAT the node's probes to the
+	// next pod given this IP, which may be outside the mesh.
+	for _, ip := range r.exempted {
+		if r.old != nil && slices.Contains(r.old.ips, ip) {
+			continue
+		}
+		if err := r.p.cfg.Probes.Remove(ip); err != nil {
+			r.p.log.Error("could not drop the probe exemption of a sandbox whose start failed; pruned at the next restart", "pod", r.key, "ip", ip, "err", err)
+		}
+	}
+	if r.fromCNI && r.sameSandbox && r.published {
+		r.p.setEntry(r.pod.UID, r.old)
+	}
+	r.netns.Close()
+	return r.p.report(r.pod, f)
+}
+
+// undoNewSandbox takes a new sandbox whose start failed out of the table
+// (and ztunnel) again, the rules this call wrote out of its netns, and the
+// pod's record off the node.
+func (r *rollback) undoNewSandbox() {
+	if r.published {
+		r.p.unpublish(r.ctx, r.pod.UID, r.old)
+	}
+	// The record goes only once no rules can be in the netns: none
+	// applied, or this call's taken out again. Rules that were
+	// there already (an intact set is not rewritten) stay, and so
+	// does the record.
+	rulesOut := !r.applied
+	if r.rulesWritten {
+		if _, err := r.p.cfg.Rules.Remove(r.netns); err != nil {
+			r.p.log.Error("could not take the rules out of a sandbox whose start failed", "pod", r.key, "err", err)
+		} else {
+			rulesOut = true
+		}
+	}
+	// A pod held from the previous agent keeps its record: the
+	// sandbox whose rules it stands for is not this one.
+	if r.recorded && rulesOut && r.p.heldPod(r.pod.UID) == nil {
+		if err := r.p.forget(r.pod.UID); err != nil {
+			r.p.log.Warn("could not drop the record of a sandbox whose start failed; the next agent takes the pod for enrolled before", "pod", r.key, "err", err)
+		}
+	}
 }
 
 // ranUnredirected tells the user that an enrolled pod ran without
