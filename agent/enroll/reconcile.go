@@ -45,122 +45,188 @@ func (p *Pipeline) Restore(ctx context.Context, pod *corev1.Pod) error {
 	return p.reconcile(ctx, pod, true)
 }
 
+// reconcile is Reconcile, or Restore when restoring. A wanted pod that is
+// not in the table is enrolled in place (enrollRunning) unless nothing of it
+// runs to redirect; one in the table is re-proven when unproven, else its
+// sandbox is checked and its annotation converged (keepEnrolled). A pod not
+// wanted, or finished, is unenrolled when in the table, released when a
+// previous agent enrolled it (releaseUnwanted), and otherwise has its
+// readiness gate released unless it has finished.
 func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring bool) error {
 	defer p.lock(pod.UID)()
-	h := p.heldPod(pod.UID)
-	// hold keeps a pod that was in the mesh before this agent and is not
-	// in its table in every snapshot (as Keep) until it is settled.
-	hold := func(ips []netip.Addr) {
-		if h == nil && !(restoring && p.enrolledBefore(pod)) || p.entry(pod.UID) != nil {
-			return
-		}
-		if len(ips) == 0 && h != nil {
-			ips = h.ips
-		}
-		if h == nil {
-			p.log.Warn("holding a pod a previous agent enrolled until its netns is found: ztunnel keeps its proxy", "pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID, "ips", ips)
-		}
-		p.setHeld(pod.UID, &heldPod{pod: types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, sandboxUID: SandboxUID(pod), ips: ips,
-			info: zds.Workload{UID: string(pod.UID), Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName}})
-	}
+	r := &reconciliation{p: p, pod: pod, restoring: restoring, held: p.heldPod(pod.UID)}
 	// A terminating pod still runs (preStop hooks, draining) and stays in
 	// the mesh until it has finished, its sandbox's DEL comes, or it is
 	// gone from the API.
-	finished := pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed
+	r.finished = pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed
 	want := false
-	if !finished {
+	if !r.finished {
 		var err error
 		if want, err = p.wants(ctx, pod); err != nil {
-			hold(podIPs(pod))
+			r.hold(podIPs(pod))
 			return err
 		}
 	}
 	e := p.entry(pod.UID)
-	switch {
-	case want && e == nil && pod.DeletionTimestamp != nil && h == nil && !restoring && !p.mayRedirectAgain(pod):
-		// Being deleted and not in this agent's table: its sandbox's DEL
-		// has come (or it never ran redirected under this agent), and the
-		// kubelet gives a terminating pod no new sandbox. Nothing runs to
-		// redirect; a netns search would only fail, with a Warning event
-		// each time, until the pod is gone. Not at restore: the table is
-		// new then, and a pod the previous agent enrolled may still run
-		// (draining) with its rules in place, unannotated if that agent
-		// died before its patch. Not for a pod a label change took out
-		// while it drained: its sandbox still runs, labelled back it is
-		// redirected again.
-		return nil
-	case want && e == nil:
-		ips := podIPs(pod)
-		if len(ips) == 0 {
-			if h != nil || restoring && p.enrolledBefore(pod) {
-				hold(nil)
-				return fmt.Errorf("pod %s/%s was enrolled but reports no IPs yet, so its netns cannot be found; held (ztunnel keeps its proxy)", pod.Namespace, pod.Name)
-			}
-			// No sandbox network yet: the CNI ADD will enroll it.
+	if want {
+		switch {
+		case e == nil && r.nothingRunsToRedirect():
 			return nil
+		case e == nil:
+			return r.enrollRunning(ctx)
+		case !p.isProven(e):
+			// Something may have broken it (a removal that failed half-way
+			// before the pod was labelled back, a failed repair): proven
+			// again, or repaired, before it is trusted.
+			p.verify(ctx, pod, e, p.presence(), false)
+			if e := p.entry(pod.UID); e != nil && !p.isProven(e) {
+				return fmt.Errorf("pod %s/%s: redirection not proven: %s", pod.Namespace, pod.Name, e.loss)
+			}
+			return nil
+		default:
+			return r.keepEnrolled(ctx, e)
 		}
-		f, err := p.cfg.Finder.Find(SandboxUID(pod), ips)
-		if err != nil {
-			hold(ips)
-			return p.report(pod, fail("NetnsNotFound", "find the running pod's netns: %v", err))
-		}
-		start := time.Now()
-		if err := p.enroll(ctx, pod, sandbox{netns: f, ips: ips, unrecorded: restoring && h == nil && !p.enrolledBefore(pod)}, false); err != nil {
-			hold(ips)
-			return err
-		}
-		p.cfg.Observer.Enrolled("reconcile", time.Since(start))
-		return nil
-	case !want && e != nil:
+	}
+	switch {
+	case e != nil:
 		if err := p.unenroll(ctx, pod.UID, e, true); err != nil {
 			return err
 		}
-		if pod.DeletionTimestamp != nil && !finished {
+		if pod.DeletionTimestamp != nil && !r.finished {
 			p.markRelabelledOut(pod)
 		}
 		return nil
-	case !want && h == nil && !(restoring && p.enrolledBefore(pod)):
-		if !finished {
+	case !r.enrolledByPreviousAgent():
+		if !r.finished {
 			p.releaseGate(pod)
 		}
 		return nil
-	case !want && (h != nil || restoring && p.enrolledBefore(pod)):
-		ips := podIPs(pod)
-		if h != nil {
-			ips = append(ips, h.ips...)
+	case r.enrolledByPreviousAgent():
+		// Not a default: enrolledBefore reads the record again; should
+		// the two reads disagree, neither case runs.
+		return r.releaseUnwanted(ctx)
+	}
+	return nil
+}
+
+// reconciliation is one reconcile of a pod, under the pod's lock.
+type reconciliation struct {
+	p         *Pipeline
+	pod       *corev1.Pod
+	restoring bool
+	// held is the pod as the table held it when the reconcile began
+	// (see Restore); nil: not held.
+	held *heldPod
+	// finished: the pod has Succeeded or Failed.
+	finished bool
+}
+
+// enrolledByPreviousAgent says whether a previous agent may have left rules
+// in the pod's netns that this agent's table does not name: the pod is
+// held, or this agent is restoring and the pod is annotated or recorded
+// (enrolledBefore, which may read the node's record, on each call).
+func (r *reconciliation) enrolledByPreviousAgent() bool {
+	return r.held != nil || r.restoring && r.p.enrolledBefore(r.pod)
+}
+
+// nothingRunsToRedirect says whether a wanted pod that is not in the table
+// has nothing running to redirect.
+//
+// Being deleted and not in this agent's table: its sandbox's DEL
+// has come (or it never ran redirected under this agent), and the
+// kubelet gives a terminating pod no new sandbox. Nothing runs to
+// redirect; a netns search would only fail, with a Warning event
+// each time, until the pod is gone. Not at restore: the table is
+// new then, and a pod the previous agent enrolled may still run
+// (draining) with its rules in place, unannotated if that agent
+// died before its patch. Not for a pod a label change took out
+// while it drained: its sandbox still runs, labelled back it is
+// redirected again.
+func (r *reconciliation) nothingRunsToRedirect() bool {
+	return r.pod.DeletionTimestamp != nil && r.held == nil && !r.restoring && !r.p.mayRedirectAgain(r.pod)
+}
+
+// hold keeps a pod that was in the mesh before this agent and is not
+// in its table in every snapshot (as Keep) until it is settled.
+func (r *reconciliation) hold(ips []netip.Addr) {
+	p, pod, h := r.p, r.pod, r.held
+	if !r.enrolledByPreviousAgent() || p.entry(pod.UID) != nil {
+		return
+	}
+	if len(ips) == 0 && h != nil {
+		ips = h.ips
+	}
+	if h == nil {
+		p.log.Warn("holding a pod a previous agent enrolled until its netns is found: ztunnel keeps its proxy", "pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID, "ips", ips)
+	}
+	p.setHeld(pod.UID, &heldPod{pod: types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, sandboxUID: SandboxUID(pod), ips: ips,
+		info: zds.Workload{UID: string(pod.UID), Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName}})
+}
+
+// enrollRunning enrolls a wanted pod that is not in the table with the
+// netns procfs finds for it by its status IPs; one a previous agent
+// enrolled is held while that fails.
+func (r *reconciliation) enrollRunning(ctx context.Context) error {
+	p, pod := r.p, r.pod
+	ips := podIPs(pod)
+	if len(ips) == 0 {
+		if r.enrolledByPreviousAgent() {
+			r.hold(nil)
+			return fmt.Errorf("pod %s/%s was enrolled but reports no IPs yet, so its netns cannot be found; held (ztunnel keeps its proxy)", pod.Namespace, pod.Name)
 		}
-		if err := p.release(ctx, pod.UID, &heldPod{pod: types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name},
-			sandboxUID: SandboxUID(pod), ips: ips}, podIPs(pod), !finished); err != nil {
-			hold(ips)
+		// No sandbox network yet: the CNI ADD will enroll it.
+		return nil
+	}
+	f, err := p.cfg.Finder.Find(SandboxUID(pod), ips)
+	if err != nil {
+		r.hold(ips)
+		return p.report(pod, fail("NetnsNotFound", "find the running pod's netns: %v", err))
+	}
+	start := time.Now()
+	if err := p.enroll(ctx, pod, sandbox{netns: f, ips: ips, unrecorded: r.restoring && !r.enrolledByPreviousAgent()}, false); err != nil {
+		r.hold(ips)
+		return err
+	}
+	p.cfg.Observer.Enrolled("reconcile", time.Since(start))
+	return nil
+}
+
+// releaseUnwanted takes a pod a previous agent enrolled, and that is not
+// wanted now, out of the mesh (see release); while that fails it is held.
+func (r *reconciliation) releaseUnwanted(ctx context.Context) error {
+	p, pod, h := r.p, r.pod, r.held
+	ips := podIPs(pod)
+	if h != nil {
+		ips = append(ips, h.ips...)
+	}
+	if err := p.release(ctx, pod.UID, &heldPod{pod: types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name},
+		sandboxUID: SandboxUID(pod), ips: ips}, podIPs(pod), !r.finished); err != nil {
+		r.hold(ips)
+		return err
+	}
+	p.releaseGate(pod)
+	return nil
+}
+
+// keepEnrolled checks a proven enrolled pod's sandbox when it may have
+// changed, and converges its annotation.
+func (r *reconciliation) keepEnrolled(ctx context.Context, e *entry) error {
+	p, pod := r.p, r.pod
+	if p.sandboxMayHaveChanged(pod, e) {
+		if err := p.verifySandbox(ctx, pod, e); err != nil {
 			return err
 		}
-		p.releaseGate(pod)
-		return nil
-	case want && e != nil && !p.isProven(e):
-		// Something may have broken it (a removal that failed half-way
-		// before the pod was labelled back, a failed repair): proven
-		// again, or repaired, before it is trusted.
-		p.verify(ctx, pod, e, p.presence(), false)
-		if e := p.entry(pod.UID); e != nil && !p.isProven(e) {
-			return fmt.Errorf("pod %s/%s: redirection not proven: %s", pod.Namespace, pod.Name, e.loss)
-		}
-	case want && e != nil:
-		if p.sandboxMayHaveChanged(pod, e) {
-			if err := p.verifySandbox(ctx, pod, e); err != nil {
-				return err
-			}
-		}
-		// Converge the annotation (a crash between the reply and the
-		// patch, or someone removing it, must heal), only when the pod
-		// lacks it: this runs on every update of every enrolled pod and
-		// every sweep, and a patch that changes nothing is still an API
-		// write. A stale cache costs one redundant patch. (The writer
-		// writes to the pod's UID, so the unenroll of an older pod of
-		// the same name, a StatefulSet pod back under a new UID before
-		// its old one's DEL, cannot remove it.)
-		if pod.Annotations[RedirectionAnnotation] != AnnotationEnabled {
-			p.cfg.Annotations.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, pod.UID, AnnotationEnabled)
-		}
+	}
+	// Converge the annotation (a crash between the reply and the
+	// patch, or someone removing it, must heal), only when the pod
+	// lacks it: this runs on every update of every enrolled pod and
+	// every sweep, and a patch that changes nothing is still an API
+	// write. A stale cache costs one redundant patch. (The writer
+	// writes to the pod's UID, so the unenroll of an older pod of
+	// the same name, a StatefulSet pod back under a new UID before
+	// its old one's DEL, cannot remove it.)
+	if pod.Annotations[RedirectionAnnotation] != AnnotationEnabled {
+		p.cfg.Annotations.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, pod.UID, AnnotationEnabled)
 	}
 	return nil
 }
