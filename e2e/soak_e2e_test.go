@@ -27,7 +27,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/inpod-dev/inpod/agent"
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/e2e/chart"
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/testkit"
@@ -676,9 +676,9 @@ func (s *soak) fault(kind string, r *rand.Rand) error {
 		s.mu.Unlock()
 		value := "null"
 		if to {
-			value = strconv.Quote(enroll.DataplaneAmbient)
+			value = strconv.Quote(enrollment.DataplaneAmbient)
 		}
-		patch := fmt.Sprintf(`{"metadata":{"labels":{%q:%s}}}`, enroll.DataplaneModeLabel, value)
+		patch := fmt.Sprintf(`{"metadata":{"labels":{%q:%s}}}`, enrollment.DataplaneModeLabel, value)
 		// Recorded before the PATCH is sent: the agent can act on the
 		// change (a Del) before the PATCH returns, and a judge round in
 		// between must know of it. Kept when the PATCH fails, which may
@@ -1359,16 +1359,16 @@ func (s *soak) checkConditions(live []*soakPod) {
 				}
 				return false, nil // the API: poll again
 			}
-			if !enroll.HasRedirectedGate(p) {
+			if !enrollment.HasRedirectedGate(p) {
 				continue
 			}
-			want := "True/" + enroll.ReasonNotEnrolled
+			want := "True/" + enrollment.ReasonNotEnrolled
 			if sp.enrolled {
-				want = "True/" + enroll.ReasonRedirected
+				want = "True/" + enrollment.ReasonRedirected
 			}
-			if got := conditionOf(p, enroll.RedirectedCondition); got != want || conditionOf(p, corev1.PodReady) != "True/" {
+			if got := conditionOf(p, enrollment.RedirectedCondition); got != want || conditionOf(p, corev1.PodReady) != "True/" {
 				wrong = append(wrong, fmt.Sprintf("%s/%s (enrolled %v): condition %s %s, want %s; Ready %s", sp.ns, sp.name, sp.enrolled,
-					enroll.RedirectedCondition, got, want, conditionOf(p, corev1.PodReady)))
+					enrollment.RedirectedCondition, got, want, conditionOf(p, corev1.PodReady)))
 			}
 		}
 		return len(wrong) == 0, nil

@@ -12,6 +12,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/zds"
 )
@@ -65,7 +66,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 			return rb.abort(fail("RecordFailed", "record the pod as enrolled on the node before its rules: %v", err))
 		}
 		rb.recorded = true
-		p.cfg.Annotations.Set(key, pod.UID, AnnotationPending)
+		p.cfg.Annotations.Set(key, pod.UID, enrollment.AnnotationPending)
 	}
 	rb.applied = true
 	// A running pod (reconcile, restart) keeps what this call applied when
@@ -103,7 +104,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	}
 	info := zds.Workload{UID: string(pod.UID), Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName, NetNS: sb.netns}
 	ne := &entry{pod: key, netns: sb.netns, id: id, containerID: sb.containerID, sandboxUID: SandboxUID(pod), ips: sb.ips, info: info,
-		checkedAt: time.Now(), gated: HasRedirectedGate(pod)}
+		checkedAt: time.Now(), gated: enrollment.HasRedirectedGate(pod)}
 	if old != nil && sameSandbox {
 		// The pod's condition as this agent last set it.
 		ne.proven, ne.loss, ne.conditionKnown = old.proven, old.loss, old.conditionKnown
@@ -155,7 +156,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 		p.settle(pod, ne, ztunnelLoss, ztunnelDetail)
 	}
 	// The condition is asked for first: see AnnotationWriter.WriteAfter.
-	p.cfg.Annotations.Set(key, pod.UID, AnnotationEnabled)
+	p.cfg.Annotations.Set(key, pod.UID, enrollment.AnnotationEnabled)
 	if loss != "" {
 		p.verifySoon()
 		return fmt.Errorf("pod %s enrolled, but its redirection is not proven: %s", key, lossDetail)
@@ -368,7 +369,7 @@ func (p *Pipeline) unenroll(ctx context.Context, uid types.UID, e *entry, runsOn
 	if runsOn && e.gated && p.cfg.Conditions != nil {
 		// Out of the mesh, the pod has nothing left to prove; the gate
 		// must not keep it from serving.
-		p.cfg.Conditions.Set(e.pod, uid, true, ReasonNotEnrolled, "the pod is not in the mesh")
+		p.cfg.Conditions.Set(e.pod, uid, true, enrollment.ReasonNotEnrolled, "the pod is not in the mesh")
 	}
 	if err := p.forget(uid); err != nil {
 		p.log.Warn("could not drop the pod's record; the next agent takes it for enrolled before", "pod", e.pod, "err", err)

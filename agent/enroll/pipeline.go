@@ -13,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/zds"
 )
@@ -94,7 +95,7 @@ type (
 
 // Config wires a Pipeline.
 type Config struct {
-	Policy  Policy
+	Policy  enrollment.Policy
 	Rules   Rules
 	Probes  ProbeSet
 	Ztunnel Ztunnel
@@ -200,7 +201,7 @@ type entry struct {
 	// as wanted; until then a verification that agrees with the pod's
 	// cached condition writes nothing.
 	conditionKnown bool
-	// gated: the pod's readiness waits for RedirectedCondition.
+	// gated: the pod's readiness waits for enrollment.RedirectedCondition.
 	gated bool
 	// The verifier's memory: the netns's nf_tables generation when its
 	// rules were last proven (see checkRules), and the backoff of

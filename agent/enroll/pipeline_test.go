@@ -23,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/uuid"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/agent/enrolledrecord"
 	"github.com/inpod-dev/inpod/agent/podnetns"
 	"github.com/inpod-dev/inpod/agent/redirect"
@@ -181,7 +182,7 @@ func newFixture(t *testing.T) *fixture {
 	}
 	f := &fixture{t: t, probes: &probes{HostProbes: hostProbes}, finder: &countingFinder{},
 		cache: &podCache{pods: map[string]*corev1.Pod{}, api: map[string]*corev1.Pod{}, namespaces: map[string]*corev1.Namespace{
-			"mesh":  {ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}},
+			"mesh":  {ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}}},
 			"plain": {ObjectMeta: metav1.ObjectMeta{Name: "plain"}},
 		}},
 		rec:   &recorder{annots: map[types.NamespacedName]string{}},
@@ -395,14 +396,14 @@ func TestAddFailsClosedWhileThePodsNamespaceIsUnknown(t *testing.T) {
 	}
 
 	// The pod's own label decides without its namespace, either way.
-	own, ownSB := f.pod("mesh", "own-label", map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}), f.sandbox()
+	own, ownSB := f.pod("mesh", "own-label", map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}), f.sandbox()
 	if out, err := f.add(own, ownSB, "c2"); out != cnievent.Redirected {
 		t.Fatalf("ADD of a pod labelled ambient = %q, %v; want redirected", out, err)
 	}
 	if _, ok := inZtunnel(z, own); !ok || !hasRules(t, ownSB) {
 		t.Fatal("the pod labelled ambient was answered redirected without rules and ztunnel")
 	}
-	optOut, optSB := f.pod("mesh", "opted-out", map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneNone}), f.sandbox()
+	optOut, optSB := f.pod("mesh", "opted-out", map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneNone}), f.sandbox()
 	if out, err := f.add(optOut, optSB, "c3"); out != cnievent.NotEnrolled || err != nil {
 		t.Fatalf("ADD of a pod labelled none = %q, %v; want not-enrolled", out, err)
 	}
@@ -818,7 +819,7 @@ func (f *fixture) drainingRelabelledOut(pod *corev1.Pod, sb sandbox) (terminatin
 	terminating = f.running(pod, sb)
 	terminating.DeletionTimestamp = &now
 	out = terminating.DeepCopy()
-	out.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneNone}
+	out.Labels = map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneNone}
 	return terminating, out
 }
 

@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/zds"
 )
@@ -225,15 +226,15 @@ func (r *reconciliation) keepEnrolled(ctx context.Context, e *entry) error {
 	// writes to the pod's UID, so the unenroll of an older pod of
 	// the same name, a StatefulSet pod back under a new UID before
 	// its old one's DEL, cannot remove it.)
-	if pod.Annotations[RedirectionAnnotation] != AnnotationEnabled {
-		p.cfg.Annotations.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, pod.UID, AnnotationEnabled)
+	if pod.Annotations[enrollment.RedirectionAnnotation] != enrollment.AnnotationEnabled {
+		p.cfg.Annotations.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, pod.UID, enrollment.AnnotationEnabled)
 	}
 	return nil
 }
 
 func annotated(pod *corev1.Pod) bool {
-	v := pod.Annotations[RedirectionAnnotation]
-	return v == AnnotationEnabled || v == AnnotationPending
+	v := pod.Annotations[enrollment.RedirectionAnnotation]
+	return v == enrollment.AnnotationEnabled || v == enrollment.AnnotationPending
 }
 
 // enrolledBefore says whether a previous agent may have left rules in the

@@ -15,7 +15,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/cnievent"
 	"github.com/inpod-dev/inpod/internal/testkit"
@@ -110,7 +110,7 @@ func (f *fixture) annotate(pod *corev1.Pod, value string) *corev1.Pod {
 	if p.Annotations == nil {
 		p.Annotations = map[string]string{}
 	}
-	p.Annotations[enroll.RedirectionAnnotation] = value
+	p.Annotations[enrollment.RedirectionAnnotation] = value
 	f.cache.mu.Lock()
 	f.cache.pods[p.Namespace+"/"+p.Name] = p
 	f.cache.mu.Unlock()
@@ -139,13 +139,13 @@ func TestRestartKeepsAnEnrolledPodWhoseNetnsIsNotFound(t *testing.T) {
 		t.Fatalf("ADD = %q, %v", out, err)
 	}
 	// No process of the pod runs in sb: procfs cannot find its netns.
-	running := f.annotate(f.running(pod, sb), enroll.AnnotationEnabled)
+	running := f.annotate(f.running(pod, sb), enrollment.AnnotationEnabled)
 	fresh, freshSB := f.pod("mesh", "no-ips-yet", nil), f.sandbox()
 	if out, err := f.add(fresh, freshSB, "c2"); out != cnievent.Redirected {
 		t.Fatalf("ADD = %q, %v", out, err)
 	}
 	// The kubelet has not reported its IPs yet.
-	f.annotate(fresh, enroll.AnnotationPending)
+	f.annotate(fresh, enrollment.AnnotationPending)
 
 	f.restart(z)
 	f.checkKept(z, pod, sb)
@@ -184,7 +184,7 @@ func enrolledThenUnlabelled(t *testing.T, annotation string) (*fixture, *ztunnel
 	f := newFixture(t)
 	f.cache.mu.Lock()
 	f.cache.namespaces["leaving"] = &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving",
-		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}}
+		Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}}}
 	f.cache.mu.Unlock()
 	z, _ := f.standin(ztunnel.Config{})
 	pod, sb := f.pod("leaving", "app", nil), f.sandbox()
@@ -207,7 +207,7 @@ func enrolledThenUnlabelled(t *testing.T, annotation string) (*fixture, *ztunnel
 // through procfs), annotation removed, proxy and exemption gone. Left alone,
 // its rules would point at a proxy the new snapshot drops.
 func TestRestartRemovesAPodUnlabelledWhileNoAgentRan(t *testing.T) {
-	f, z, pod, sb := enrolledThenUnlabelled(t, enroll.AnnotationEnabled)
+	f, z, pod, sb := enrolledThenUnlabelled(t, enrollment.AnnotationEnabled)
 	f.restart(z)
 	f.checkReleased(z, pod, sb)
 	f.rec.mu.Lock()
@@ -232,7 +232,7 @@ func TestRestartHoldsAPodWhoseNamespaceIsUnknown(t *testing.T) {
 		t.Fatalf("ADD = %q, %v", out, err)
 	}
 	sb.RunAsPod(t, string(pod.UID))
-	running := f.annotate(f.running(pod, sb), enroll.AnnotationEnabled)
+	running := f.annotate(f.running(pod, sb), enrollment.AnnotationEnabled)
 	f.cache.loseNamespaces(errors.New("namespace watch not synced and the API server unreachable"))
 
 	f.restart(z)
