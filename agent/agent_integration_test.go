@@ -170,10 +170,10 @@ func (w *world) runAgent() (stop func() error) {
 }
 
 // A component failing at runtime ends Run with its error, promptly, having
-// stopped everything else: the process exits non-zero and the kubelet
-// restarts it, instead of an agent lingering half-alive behind a green
-// /healthz (invariant 7). Here the device-plugin directory vanishes, so the
-// gate cannot serve its socket again.
+// stopped everything else: the process exits non-zero and the kubelet restarts
+// it, instead of an agent lingering half-alive behind a green /healthz
+// (invariant 7, docs/design/invariants.md). Here the device-plugin directory
+// vanishes, so the gate cannot serve its socket again.
 func TestIntegrationAComponentFailingAtRuntimeEndsRun(t *testing.T) {
 	w := newWorld(t)
 	cfg := w.cfg

@@ -150,11 +150,12 @@ func TestIntegrationEnrolledPodUpdatesWriteNoAnnotation(t *testing.T) {
 	t.Logf("patches: %d while enrolling, %d for %d status writes and a removed annotation", enrolling, patches.Load()-enrolling, updates)
 }
 
-// Invariant 1 at start-up: the CNI server answers before the watches have
-// synced. An ADD for a pod enrolled by its namespace's label, arriving while
-// the pod is cached but the namespace list has not come in, must not be
-// answered "not enrolled": the agent waits, reads the namespace from the
-// API, and then redirects or (ztunnel not served yet) fails the ADD.
+// Invariant 1 (docs/design/invariants.md) at start-up: the CNI server answers
+// before the watches have synced. An ADD for a pod enrolled by its namespace's
+// label, arriving while the pod is cached but the namespace list has not come
+// in, must not be answered "not enrolled": the agent waits, reads the
+// namespace from the API, and then redirects or (ztunnel not served yet) fails
+// the ADD.
 func TestIntegrationADDDuringAgentStartUpNeverPassesAnEnrolledPod(t *testing.T) {
 	w := newWorld(t)
 	kubeconfig, release := holdNamespaceList(t, w.cp)
@@ -209,9 +210,10 @@ func TestIntegrationADDDuringAgentStartUpNeverPassesAnEnrolledPod(t *testing.T) 
 	}
 }
 
-// Invariant 2 with the agent: a ztunnel upgrade while an Add is in flight
-// (the old ztunnel slow to ack, the new one connecting meanwhile) leaves the
-// pod with the new ztunnel once the old one exits.
+// Invariant 2 (docs/design/invariants.md) with the agent: a ztunnel upgrade
+// while an Add is in flight (the old ztunnel slow to ack, the new one
+// connecting meanwhile) leaves the pod with the new ztunnel once the old one
+// exits.
 func TestIntegrationZtunnelUpgradeDuringAnAdd(t *testing.T) {
 	w := newWorld(t)
 	w.startInProcessAgent()

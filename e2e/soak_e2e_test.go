@@ -249,7 +249,7 @@ type soak struct {
 	faults     map[string]int      // by kind
 	outcomes   map[string]int      // judged outcomes
 	violations []string
-	// knownLimits are outcomes of documented limits (README, Known
+	// knownLimits are outcomes of documented limits (docs/operations.md, Known
 	// limits): counted and printed, not failures.
 	knownLimits []string
 	// clobbers are the windows in which the conflist lacked inpod.
@@ -1159,7 +1159,8 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, round *
 			// the pod requested no gate resource (created before its
 			// namespace was labelled), so no PreStartContainer held its
 			// app; the agent found it running and redirected it in place
-			// (README, Known limits). A gated pod gets no such excuse.
+			// (docs/operations.md, Known limits). A gated pod gets no such
+			// excuse.
 			s.knownLimit("enrolled %s (no gate resource) started while the conflist lacked inpod (a clobber overlapped its set-up); redirected in place afterwards", key)
 		case constant && labelled:
 			s.violate("enrolled %s ran unredirected: no Add acknowledged for its netns %s (%s) before its start and no listeners (rules now:\n%s)", key, name, id, rules)

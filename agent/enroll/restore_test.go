@@ -126,11 +126,12 @@ func (f *fixture) exempted(ip netip.Addr) bool {
 	return slices.Contains(members, ip)
 }
 
-// Invariant 2 across a restart: a pod the previous agent enrolled, whose
-// netns the new one cannot find yet (procfs finds no process of it; or its
-// status has no IPs yet, right after the ADD), keeps ztunnel's proxy (the
-// snapshot names it with Keep) and its probe exemption, since its rules
-// still point at both. Once its netns is found it is restored for real.
+// Invariant 2 (docs/design/invariants.md) across a restart: a pod the previous
+// agent enrolled, whose netns the new one cannot find yet (procfs finds no
+// process of it; or its status has no IPs yet, right after the ADD), keeps
+// ztunnel's proxy (the snapshot names it with Keep) and its probe exemption,
+// since its rules still point at both. Once its netns is found it is restored
+// for real.
 func TestRestartKeepsAnEnrolledPodWhoseNetnsIsNotFound(t *testing.T) {
 	f := newFixture(t)
 	z, _ := f.standin(ztunnel.Config{})
@@ -221,9 +222,10 @@ func TestRestartRemovesAPodUnlabelledWhileNoAgentRan(t *testing.T) {
 	}
 }
 
-// Invariant 1 at restart: a pod the previous agent enrolled whose namespace
-// cannot be known yet is held (ztunnel keeps its proxy) rather than dropped
-// or taken for unenrolled, and restored once the namespace is known.
+// Invariant 1 (docs/design/invariants.md) at restart: a pod the previous agent
+// enrolled whose namespace cannot be known yet is held (ztunnel keeps its
+// proxy) rather than dropped or taken for unenrolled, and restored once the
+// namespace is known.
 func TestRestartHoldsAPodWhoseNamespaceIsUnknown(t *testing.T) {
 	f := newFixture(t)
 	z, _ := f.standin(ztunnel.Config{})
@@ -249,12 +251,12 @@ func TestRestartHoldsAPodWhoseNamespaceIsUnknown(t *testing.T) {
 }
 
 // A pod the previous agent enrolled whose annotation patch never landed (the
-// agent died between its reply and the patch, which DESIGN says must heal)
-// and which is being deleted when the new agent starts: its sandbox still
-// runs (preStop, draining) with the rules in place, so the restart must find
-// it and keep it in ztunnel's snapshot. Skipping it as "after its DEL" would
-// drop its proxy while its rules still point there: its traffic is
-// black-holed for the rest of its grace period.
+// agent died between its reply and the patch, which must heal:
+// docs/design/agent.md, Annotations) and which is being deleted when the new
+// agent starts: its sandbox still runs (preStop, draining) with the rules in
+// place, so the restart must find it and keep it in ztunnel's snapshot.
+// Skipping it as "after its DEL" would drop its proxy while its rules still
+// point there: its traffic is black-holed for the rest of its grace period.
 func TestRestartKeepsATerminatingEnrolledPodWithoutAnnotation(t *testing.T) {
 	f := newFixture(t)
 	z, _ := f.standin(ztunnel.Config{})
