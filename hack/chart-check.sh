@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The chart's static checks (make test): helm lint and helm template for
-# each gate value, and the schema refusing wrong values with a message that
-# names them.
+# each gate value, the schema refusing wrong values with a message that
+# names them, and the chart's README current.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 helm="$repo/bin/helm"
@@ -207,3 +207,8 @@ refuse "caBundle" --set enrollment.autoRequest.mode=webhook --set controller.ena
 refuse "timeoutSeconds" --set enrollment.autoRequest.mode=webhook --set controller.enabled=true --set enrollment.autoRequest.webhook.certManager.enabled=true --set enrollment.autoRequest.webhook.timeoutSeconds=31
 refuse "metrics.service.enabled" --set metrics.service.enabled=false --set metrics.serviceMonitor.enabled=true
 echo "chart: the schema refuses wrong values, naming them"
+
+# The chart's README: every value documented, values.yaml and the schema
+# agreeing, and the committed file what make chart-docs writes.
+(cd "$repo" && go run ./internal/chartdoc/cmd/chartdoc -chart deploy/helm/inpod -check)
+echo "chart: README.md documents every value and is current"
