@@ -57,8 +57,9 @@ manifests: deps ## render deploy/manifests and deploy/rbac from the chart
 chart-docs: ## regenerate the chart README (deploy/helm/inpod/README.md) from values.yaml and values.schema.json
 	$(GO) run ./internal/chartdoc/cmd/chartdoc -chart deploy/helm/inpod
 
-# helm lint and template per gate value, the schema's refusals, the chart
-# README and the rendered manifests current (like check-generated).
+# helm lint and template per gate value, the schema's refusals, NOTES.txt
+# per gate, the chart README and the rendered manifests current (like
+# check-generated).
 check-chart: deps ## helm lint/template per gate value; the chart README, deploy/manifests and deploy/rbac current
 	@hack/chart-check.sh
 	@hack/manifests.sh --check
