@@ -10,7 +10,7 @@ export PATH := $(BIN):$(PATH)
 PROTOC_VERSION := 3.21.12
 
 .PHONY: all help deps build generate check-generated lint test test-unit test-fuzz fuzz test-integration test-e2e \
-	soak bench k8s-bins cluster-up cluster-down clean images manifests check-chart demo demo-down
+	soak bench k8s-bins cluster-up cluster-down clean images manifests chart-docs check-chart demo demo-down
 
 all: build
 
@@ -56,9 +56,17 @@ check-generated: generate ## [check] fail when the committed generated code is s
 manifests: deps ## [build] render deploy/manifests and deploy/rbac from the chart
 	@hack/manifests.sh
 
-# helm lint and template per gate value, the schema's refusals, and the
-# rendered manifests current (like check-generated).
-check-chart: deps ## [check] helm lint/template per gate value; deploy/manifests and deploy/rbac current
+# The chart's README (deploy/helm/inpod/README.md): its prose from
+# README.md.gotmpl, a row per value from values.yaml's comments and
+# values.schema.json (internal/chartdoc). Fails, naming them, when a value
+# has no description or values.yaml and the schema disagree.
+chart-docs: ## [build] regenerate the chart README (deploy/helm/inpod/README.md) from values.yaml and values.schema.json
+	$(GO) run ./internal/chartdoc/cmd/chartdoc -chart deploy/helm/inpod
+
+# helm lint and template per gate value, the schema's refusals, NOTES.txt
+# per gate, the chart README and the rendered manifests current (like
+# check-generated).
+check-chart: deps ## [check] helm lint/template per gate value; the chart README, deploy/manifests and deploy/rbac current
 	@hack/chart-check.sh
 	@hack/manifests.sh --check
 
