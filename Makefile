@@ -10,18 +10,24 @@ export PATH := $(BIN):$(PATH)
 PROTOC_VERSION := 3.21.12
 
 .PHONY: all help deps build generate check-generated lint test test-unit test-fuzz fuzz test-integration test-e2e \
-	soak bench k8s-bins cluster-up cluster-down clean images manifests check-chart demo demo-down
+	soak bench k8s-bins cluster-up cluster-down clean images manifests chart-docs check-chart demo demo-down
 
 all: build
 
-help: ## list the targets
-	@awk 'BEGIN {FS = ":.*## "} /^[a-z][a-z0-9-]*:.*## / {printf "  %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+# Each target's "## [group] text" puts it in a group of make help.
+help: ## [start] list the targets by purpose
+	@awk 'BEGIN { FS = ":.*## "; n = split("start build check measure node", order, " "); \
+	    title["start"] = "Start here"; title["build"] = "Build and generate"; title["check"] = "Test tiers and checks"; \
+	    title["measure"] = "Measure"; title["node"] = "The local node" } \
+	  /^[a-z][a-z0-9-]*:.*## \[[a-z]+\] / { g = $$2; sub(/^\[/, "", g); sub(/\].*/, "", g); d = $$2; sub(/^\[[a-z]+\] /, "", d); \
+	    lines[g] = lines[g] sprintf("  %-18s %s\n", $$1, d) } \
+	  END { for (i = 1; i <= n; i++) if (lines[order[i]] != "") printf "%s\n%s\n", title[order[i]], lines[order[i]] }' $(MAKEFILE_LIST)
 
-deps: ## install the tools the build and tests need (staticcheck, protoc-gen-go, ...) into ./bin
+deps: ## [build] install the tools the build and tests need (staticcheck, protoc-gen-go, ...) into ./bin
 	@hack/install-deps.sh
 
 # Stripped: inpod-cni is copied to every node and exec'ed once per pod.
-build: ## the binaries, into ./bin
+build: ## [build] the binaries, into ./bin
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/ ./cmd/...
 
 # OCI image tarballs without Docker (e2e/images): inpod-agent (with the
@@ -29,38 +35,47 @@ build: ## the binaries, into ./bin
 # inpod-waitready (the init container) and ztunnel-standin (a test peer).
 # Same commit, same digests. TAG names the version.
 TAG ?= dev
-images: ## image tarballs inpod-agent, inpod-controller, inpod-waitready and ztunnel-standin into ./bin/images (no Docker)
+images: ## [build] image tarballs inpod-agent, inpod-controller, inpod-waitready and ztunnel-standin into ./bin/images (no Docker)
 	@command -v xtables-nft-multi >/dev/null || hack/install-deps.sh
 	$(GO) run ./e2e/cmd/images --out $(BIN)/images --tag $(TAG)
 
-generate: deps ## regenerate zds/zdspb from zds.proto
+generate: deps ## [build] regenerate zds/zdspb from zds.proto
 	@protoc --version | grep -q ' $(PROTOC_VERSION)$$' || \
 	  { echo "protoc $(PROTOC_VERSION) is required for byte-identical output; have: $$(protoc --version)" >&2; exit 1; }
 	cd zds/zdspb && protoc --go_out=. --go_opt=paths=source_relative zds.proto
 
 # Fails when the committed generated code differs from what `make generate`
 # writes.
-check-generated: generate ## fail when the committed generated code is stale
+check-generated: generate ## [check] fail when the committed generated code is stale
 	@git diff --exit-code -- zds/zdspb || \
 	  { echo "zds/zdspb is out of date: run 'make generate' and commit" >&2; exit 1; }
 
 # The plain manifests committed beside the chart, rendered from it: the
 # default install (deploy/manifests/inpod.yaml) and the RBAC the agent's
 # integration tests apply (deploy/rbac). One source: the chart.
-manifests: deps ## render deploy/manifests and deploy/rbac from the chart
+manifests: deps ## [build] render deploy/manifests and deploy/rbac from the chart
 	@hack/manifests.sh
 
-# helm lint and template per gate value, the schema's refusals, and the
-# rendered manifests current (like check-generated).
-check-chart: deps ## helm lint/template per gate value; deploy/manifests and deploy/rbac current
+# The chart's README (deploy/helm/inpod/README.md): its prose from
+# README.md.gotmpl, a row per value from values.yaml's comments and
+# values.schema.json (internal/chartdoc). Fails, naming them, when a value
+# has no description or values.yaml and the schema disagree.
+chart-docs: ## [build] regenerate the chart README (deploy/helm/inpod/README.md) from values.yaml and values.schema.json
+	$(GO) run ./internal/chartdoc/cmd/chartdoc -chart deploy/helm/inpod
+
+# helm lint and template per gate value, the schema's refusals, NOTES.txt
+# per gate, the chart README and the rendered manifests current (like
+# check-generated).
+check-chart: deps ## [check] helm lint/template per gate value; the chart README, deploy/manifests and deploy/rbac current
 	@hack/chart-check.sh
 	@hack/manifests.sh --check
 
-lint: deps ## gofmt, go vet, staticcheck
+lint: deps ## [check] gofmt, go vet, staticcheck, golangci-lint (import rules, misspell, goimports)
 	@fmt=$$(git ls-files -co --exclude-standard '*.go' | xargs -r gofmt -l); \
 	  if [ -n "$$fmt" ]; then echo "gofmt would change:"; echo "$$fmt"; exit 1; fi
 	$(GO) vet ./...
 	staticcheck ./...
+	golangci-lint run ./...
 
 # Every tier, fastest first, so a failure shows in minutes: lint and
 # check-generated, then unit, then integration, then e2e; each step is its
@@ -73,16 +88,10 @@ lint: deps ## gofmt, go vet, staticcheck
 # and a parallel package could take one between the pick and the bind; the
 # e2e packages also share the host's fixed kubelet paths.
 # Both get their binaries from k8s-bins (cold: ~17 min).
-test: ## every tier, fastest first: lint, check-generated, check-chart, unit, integration, e2e
-	@$(MAKE) --no-print-directory lint
-	@$(MAKE) --no-print-directory check-generated
-	@$(MAKE) --no-print-directory check-chart
-	@$(MAKE) --no-print-directory test-unit
-	@$(MAKE) --no-print-directory test-fuzz
-	@$(MAKE) --no-print-directory test-integration
-	@$(MAKE) --no-print-directory test-e2e
+test: ## [start] every tier, fastest first (lint, check-generated, check-chart, unit, fuzz, integration, e2e); the time of each at the end
+	@MAKE="$(MAKE)" hack/test-tiers.sh lint check-generated check-chart test-unit test-fuzz test-integration test-e2e
 
-test-unit: deps ## unit tier (root: real netns and netfilter), minutes
+test-unit: deps ## [check] unit tier (root: real netns and netfilter), minutes
 	INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh) $(GO) test -race -count=1 ./...
 
 # Go fuzz targets (func FuzzX(f *testing.F), each beside the code it feeds),
@@ -94,7 +103,7 @@ test-unit: deps ## unit tier (root: real netns and netfilter), minutes
 FUZZTIME ?= 60s
 fuzz_targets = $(shell grep -rl --include='*_test.go' '^func Fuzz' . | sort | xargs -r grep -H -o '^func Fuzz[A-Za-z0-9_]*' | sed 's|^\(.*\)/[^/]*_test.go:func |\1 |')
 
-fuzz: ## every fuzz target for FUZZTIME each (default 60s), one after another
+fuzz: ## [check] every fuzz target for FUZZTIME each (default 60s), one after another
 	@set -e; printf '%s %s\n' $(fuzz_targets) | while read -r pkg target; do \
 	  echo "== $$target ($$pkg, $(FUZZTIME))"; \
 	  $(GO) test -run '^$$' -fuzz "^$$target\$$" -fuzztime $(FUZZTIME) "$$pkg" </dev/null; \
@@ -105,7 +114,7 @@ fuzz: ## every fuzz target for FUZZTIME each (default 60s), one after another
 # crasher) when a loaded machine starves its workers (go.dev/issue/75804,
 # fixed in Go 1.27); a count has no deadline to race. 20000 inputs take 1-3 s
 # a target here.
-test-fuzz: ## every fuzz target for 20000 inputs (the bounded run in make test)
+test-fuzz: ## [check] every fuzz target for 20000 inputs (the bounded run in make test)
 	@$(MAKE) --no-print-directory fuzz FUZZTIME=20000x
 
 # Binaries for the Kubernetes tiers, built once and cached by version.
@@ -113,7 +122,7 @@ K8S_ENV = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh) INPOD_TEST_CNI_PLUGINS=$$(hack/
 
 tagged_pkgs = $(shell grep -rl --include='*_test.go' '^//go:build $(1)' . | xargs -r -n1 dirname | sort -u)
 
-test-integration: deps ## TestIntegration* against a real etcd + kube-apiserver
+test-integration: deps ## [check] TestIntegration* against a real etcd + kube-apiserver
 	$(K8S_ENV) $(GO) test -p 1 -race -count=1 -timeout 30m -tags integration -run '^TestIntegration' $(call tagged_pkgs,integration)
 
 # The e2e package runs TestE2ESoak too, 3 minutes of churn and faults (plus
@@ -122,7 +131,7 @@ test-integration: deps ## TestIntegration* against a real etcd + kube-apiserver
 # the host's fixed kubelet and CNI paths, so a second run waits its turn.
 # On failure the failed tests' own lines are printed again at the end.
 E2E_LOG := $(BIN)/test-e2e.log
-test-e2e: deps ## TestE2E* on a real single node (kubelet, containerd)
+test-e2e: deps ## [check] TestE2E* on a real single node (kubelet, containerd)
 	@mkdir -p $(BIN)
 	set -o pipefail; $(K8S_ENV) flock /tmp/inpod-e2e.lock $(GO) test -p 1 -count=1 -timeout 60m -tags e2e -run '^TestE2E' $(call tagged_pkgs,e2e) 2>&1 | tee $(E2E_LOG) \
 	  || { hack/failure-recap.sh $(E2E_LOG); exit 1; }
@@ -131,7 +140,7 @@ test-e2e: deps ## TestE2E* on a real single node (kubelet, containerd)
 # continued until 500 pods were created (about 20 a minute on a loaded
 # two-core machine); INPOD_SOAK_SEED=<printed seed> replays a run.
 INPOD_SOAK_DURATION ?= 20m
-soak: deps ## TestE2ESoak for INPOD_SOAK_DURATION (default 20m, >= 500 pods) under the e2e lock
+soak: deps ## [measure] TestE2ESoak for INPOD_SOAK_DURATION (default 20m, >= 500 pods) under the e2e lock
 	$(K8S_ENV) INPOD_SOAK_DURATION=$(INPOD_SOAK_DURATION) INPOD_SOAK_MIN_PODS=500 flock /tmp/inpod-e2e.lock \
 	  $(GO) test -count=1 -timeout 60m -tags e2e -run '^TestE2ESoak$$' -v ./e2e/
 
@@ -141,7 +150,7 @@ soak: deps ## TestE2ESoak for INPOD_SOAK_DURATION (default 20m, >= 500 pods) und
 # printed, and written to docs/benchmarks.md (linked from the README).
 BENCH_FIGURES := $(BIN)/bench-figures.jsonl
 BENCH = INPOD_BENCH_REPORT=$(BENCH_FIGURES) $(GO) test -count=1 -run '^$$'
-bench: deps ## every benchmark; one report of every figure next to its floor, into docs/benchmarks.md
+bench: deps ## [measure] every benchmark; one report of every figure next to its floor, into docs/benchmarks.md
 	@mkdir -p $(BIN) && : > $(BENCH_FIGURES)
 	$(BENCH) -bench . -benchtime 2000x ./zds/
 	$(BENCH) -bench . -benchtime 200x ./agent/redirect/
@@ -160,16 +169,16 @@ bench: deps ## every benchmark; one report of every figure next to its floor, in
 
 # Pinned Kubernetes and etcd binaries for the test node, cached outside the
 # repo (INPOD_CACHE_DIR, default /var/cache/inpod): ~17 min cold, seconds warm.
-k8s-bins: ## build and cache the pinned Kubernetes, etcd and CNI binaries (~17 min cold)
+k8s-bins: ## [node] build and cache the pinned Kubernetes, etcd and CNI binaries (~17 min cold)
 	@hack/k8s-bins.sh
 	@hack/cni-bins.sh
 
 # A real single-node Kubernetes for a person: prints the kubeconfig path.
-cluster-up: deps ## a real single-node Kubernetes for a person; prints its kubeconfig
+cluster-up: deps ## [node] a real single-node Kubernetes for a person; prints its kubeconfig
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
 	$(K8S_ENV) $(BIN)/localnode up --repo $(CURDIR)
 
-cluster-down: ## stop what cluster-up started
+cluster-down: ## [node] stop what cluster-up started
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
 	$(BIN)/localnode down
 
@@ -178,16 +187,16 @@ cluster-down: ## stop what cluster-up started
 # paths, so it starts under the e2e lock, and its processes keep holding it
 # (inherited) until demo-down stops them; a node already up is reused.
 NODE_UP = [ -e /var/lib/inpod-e2e.holder ] && kill -0 $$(cat /var/lib/inpod-e2e.holder) 2>/dev/null
-demo: deps images ## bring up the local node, install inpod with its chart, show an enrolled pod gated and redirected
+demo: deps images ## [start] bring up the local node, install inpod with its chart, show an enrolled pod gated and redirected
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/demo ./e2e/cmd/demo
 	if $(NODE_UP); then lock=; else lock="flock /tmp/inpod-e2e.lock"; fi; \
 	  $(K8S_ENV) $$lock $(BIN)/demo up --repo $(CURDIR) --images $(BIN)/images
 
-demo-down: deps ## uninstall inpod (helm) and remove the local node
+demo-down: deps ## [start] uninstall inpod (helm) and remove the local node
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/demo ./e2e/cmd/demo
 	$(BIN)/demo down --repo $(CURDIR)
 
-clean: ## remove ./bin
+clean: ## [build] remove ./bin
 	rm -rf $(BIN)

@@ -36,6 +36,7 @@ import (
 	"github.com/inpod-dev/inpod/agent/cniinstall"
 	"github.com/inpod-dev/inpod/agent/cniserver"
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/agent/enrolledrecord"
 	"github.com/inpod-dev/inpod/agent/observe"
 	"github.com/inpod-dev/inpod/agent/podcondition"
@@ -380,7 +381,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	// the pipeline once it exists.
 	p.activity = &cniActivity{}
 	p.annotations = enroll.NewAnnotationWriter(p.client, p.activity, a.log)
-	policy := enroll.Policy{ExcludedNamespaces: cfg.ExcludedNamespaces, Label: cfg.EnrollmentLabel}
+	policy := enrollment.Policy{ExcludedNamespaces: cfg.ExcludedNamespaces, Label: cfg.EnrollmentLabel}
 	if p.passList, err = passlist.Open(p.passListPath, p.pods.notEnrolled(policy), a.log); err != nil {
 		return nil, err
 	}

@@ -29,6 +29,7 @@ import (
 
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/deviceplugin/kubelettest"
 	"github.com/inpod-dev/inpod/dra"
@@ -100,7 +101,7 @@ func newWorld(t testing.TB) *world {
 	for _, ns := range []struct {
 		name   string
 		labels map[string]string
-	}{{"mesh", map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}, {"plain", nil}} {
+	}{{"mesh", map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}}, {"plain", nil}} {
 		if _, err := w.client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns.name, Labels: ns.labels}}, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
@@ -169,10 +170,10 @@ func (w *world) runAgent() (stop func() error) {
 }
 
 // A component failing at runtime ends Run with its error, promptly, having
-// stopped everything else: the process exits non-zero and the kubelet
-// restarts it, instead of an agent lingering half-alive behind a green
-// /healthz (invariant 7). Here the device-plugin directory vanishes, so the
-// gate cannot serve its socket again.
+// stopped everything else: the process exits non-zero and the kubelet restarts
+// it, instead of an agent lingering half-alive behind a green /healthz
+// (invariant 7, docs/design/invariants.md). Here the device-plugin directory
+// vanishes, so the gate cannot serve its socket again.
 func TestIntegrationAComponentFailingAtRuntimeEndsRun(t *testing.T) {
 	w := newWorld(t)
 	cfg := w.cfg
@@ -299,7 +300,7 @@ func (w *world) annotation(pod *corev1.Pod) string {
 	if err != nil {
 		return "error: " + err.Error()
 	}
-	return p.Annotations[enroll.RedirectionAnnotation]
+	return p.Annotations[enrollment.RedirectionAnnotation]
 }
 
 // Unless told otherwise, the gate advertises one device per pod the Node
@@ -376,7 +377,7 @@ func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
 	if !hasRules(t, meshNS) {
 		t.Fatal("ADD returned before the pod's rules were in place")
 	}
-	w.eventually("the enabled annotation", func() bool { return w.annotation(meshPod) == enroll.AnnotationEnabled })
+	w.eventually("the enabled annotation", func() bool { return w.annotation(meshPod) == enrollment.AnnotationEnabled })
 
 	// A pod in a namespace that is not enrolled gets nothing. The agent
 	// lists it for the plugin as not enrolled, so its ADD asks nobody;
@@ -404,7 +405,7 @@ func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
 	w.setRunning(plainPod, res.IPs[0].Address.IP.String())
 	plainNS.RunAsPod(t, string(plainPod.UID))
 	ns, _ := w.client.CoreV1().Namespaces().Get(ctx, "plain", metav1.GetOptions{})
-	ns.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}
+	ns.Labels = map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}
 	if _, err := w.client.CoreV1().Namespaces().Update(ctx, ns, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -412,11 +413,11 @@ func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
 		_, ok := w.standin.Workloads()[string(plainPod.UID)]
 		return ok && hasRules(t, plainNS) && !passlist.Passes(passList, "plain", "b", string(plainPod.UID))
 	})
-	w.eventually("its annotation", func() bool { return w.annotation(plainPod) == enroll.AnnotationEnabled })
+	w.eventually("its annotation", func() bool { return w.annotation(plainPod) == enrollment.AnnotationEnabled })
 
 	// The pod opts out by its own label: removed live.
 	p, _ := w.client.CoreV1().Pods("plain").Get(ctx, "b", metav1.GetOptions{})
-	p.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneNone}
+	p.Labels = map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneNone}
 	if _, err := w.client.CoreV1().Pods("plain").Update(ctx, p, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -597,7 +598,7 @@ func TestIntegrationAgentRidesOutAnAPIServerOutage(t *testing.T) {
 	if _, err := w.cniAdd(before, beforeNS); err != nil {
 		t.Fatal(err)
 	}
-	w.eventually("the first pod's annotation", func() bool { return w.annotation(before) == enroll.AnnotationEnabled })
+	w.eventually("the first pod's annotation", func() bool { return w.annotation(before) == enrollment.AnnotationEnabled })
 	rulesBefore := beforeNS.Exec(t, "nft", "-a", "list", "ruleset")
 	during, duringNS := w.pod("mesh", "during")
 	w.eventually("the pod in the agent's cache", func() bool { return w.agent.PodCached("mesh", "during") })
@@ -632,7 +633,7 @@ func TestIntegrationAgentRidesOutAnAPIServerOutage(t *testing.T) {
 	}
 	// The agent catches up: the annotation written late, new pods enroll.
 	w.eventually("the outage pod's annotation after the API returned", func() bool {
-		return w.annotation(during) == enroll.AnnotationEnabled
+		return w.annotation(during) == enrollment.AnnotationEnabled
 	})
 	after, afterNS := w.pod("mesh", "after")
 	if _, err := w.cniAdd(after, afterNS); err != nil {

@@ -25,6 +25,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/internal/benchreport"
 	"github.com/inpod-dev/inpod/internal/testkit"
@@ -265,7 +266,7 @@ func (w *world) watchAnnotated(b *testing.B, pods []*corev1.Pod) (wait func()) {
 				if !ok {
 					b.Fatalf("the watch ended with %d of %d pods not yet annotated", len(pending), len(pods))
 				}
-				if p, isPod := ev.Object.(*corev1.Pod); isPod && p.Annotations[enroll.RedirectionAnnotation] == enroll.AnnotationEnabled {
+				if p, isPod := ev.Object.(*corev1.Pod); isPod && p.Annotations[enrollment.RedirectionAnnotation] == enrollment.AnnotationEnabled {
 					delete(pending, p.Name)
 				}
 			case <-ctx.Done():

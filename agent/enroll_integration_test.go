@@ -27,7 +27,7 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/inpod-dev/inpod/agent"
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/netns"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
@@ -116,7 +116,7 @@ func TestIntegrationEnrolledPodUpdatesWriteNoAnnotation(t *testing.T) {
 		t.Fatal(err)
 	}
 	w.setRunning(pod, res.IPs[0].Address.IP.String())
-	w.eventually("the pod annotated enabled", func() bool { return w.annotation(pod) == enroll.AnnotationEnabled })
+	w.eventually("the pod annotated enabled", func() bool { return w.annotation(pod) == enrollment.AnnotationEnabled })
 	enrolling := patches.Load()
 
 	ctx := context.Background()
@@ -135,11 +135,11 @@ func TestIntegrationEnrolledPodUpdatesWriteNoAnnotation(t *testing.T) {
 	// The last update drops the annotation: the agent reconciles the pod's
 	// updates in order, so once it has written it back it has seen all the
 	// status writes before.
-	removal := []byte(`{"metadata":{"annotations":{"` + enroll.RedirectionAnnotation + `":null}}}`)
+	removal := []byte(`{"metadata":{"annotations":{"` + enrollment.RedirectionAnnotation + `":null}}}`)
 	if _, err := pods.Patch(ctx, pod.Name, k8stypes.MergePatchType, removal, metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	w.eventually("the annotation written back", func() bool { return w.annotation(pod) == enroll.AnnotationEnabled })
+	w.eventually("the annotation written back", func() bool { return w.annotation(pod) == enrollment.AnnotationEnabled })
 	// One for the removal, and at most one more: the reconcile of
 	// setRunning's update may still have read "pending" from a cache that
 	// had not yet seen "enabled", after enrolling was sampled. Before the
@@ -150,11 +150,12 @@ func TestIntegrationEnrolledPodUpdatesWriteNoAnnotation(t *testing.T) {
 	t.Logf("patches: %d while enrolling, %d for %d status writes and a removed annotation", enrolling, patches.Load()-enrolling, updates)
 }
 
-// Invariant 1 at start-up: the CNI server answers before the watches have
-// synced. An ADD for a pod enrolled by its namespace's label, arriving while
-// the pod is cached but the namespace list has not come in, must not be
-// answered "not enrolled": the agent waits, reads the namespace from the
-// API, and then redirects or (ztunnel not served yet) fails the ADD.
+// Invariant 1 (docs/design/invariants.md) at start-up: the CNI server answers
+// before the watches have synced. An ADD for a pod enrolled by its namespace's
+// label, arriving while the pod is cached but the namespace list has not come
+// in, must not be answered "not enrolled": the agent waits, reads the
+// namespace from the API, and then redirects or (ztunnel not served yet) fails
+// the ADD.
 func TestIntegrationADDDuringAgentStartUpNeverPassesAnEnrolledPod(t *testing.T) {
 	w := newWorld(t)
 	kubeconfig, release := holdNamespaceList(t, w.cp)
@@ -209,9 +210,10 @@ func TestIntegrationADDDuringAgentStartUpNeverPassesAnEnrolledPod(t *testing.T) 
 	}
 }
 
-// Invariant 2 with the agent: a ztunnel upgrade while an Add is in flight
-// (the old ztunnel slow to ack, the new one connecting meanwhile) leaves the
-// pod with the new ztunnel once the old one exits.
+// Invariant 2 (docs/design/invariants.md) with the agent: a ztunnel upgrade
+// while an Add is in flight (the old ztunnel slow to ack, the new one
+// connecting meanwhile) leaves the pod with the new ztunnel once the old one
+// exits.
 func TestIntegrationZtunnelUpgradeDuringAnAdd(t *testing.T) {
 	w := newWorld(t)
 	w.startInProcessAgent()

@@ -14,7 +14,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
@@ -61,7 +61,7 @@ func TestIntegrationPodControlledFieldsAtTheirLimits(t *testing.T) {
 	ctx := context.Background()
 	longNS := strings.Repeat("n", 63)
 	if _, err := w.client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: longNS,
-		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}}, metav1.CreateOptions{}); err != nil {
+		Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	w.startInProcessAgent()
@@ -101,15 +101,15 @@ func TestIntegrationPodControlledFieldsAtTheirLimits(t *testing.T) {
 		{ns: "mesh", name: "big-labels", labels: withLabels(nil), annotations: bigAnnotations, enrolled: true},
 		{ns: "plain", name: "big-labels-plain", labels: withLabels(nil), annotations: bigAnnotations},
 		// The pod claims the state annotation itself: it decides nothing.
-		{ns: "plain", name: "claims-enabled", annotations: map[string]string{enroll.RedirectionAnnotation: "enabled"}},
-		{ns: "mesh", name: "claims-enabled-mesh", annotations: map[string]string{enroll.RedirectionAnnotation: "enabled"}, enrolled: true},
-		{ns: "mesh", name: "claims-pending", annotations: map[string]string{enroll.RedirectionAnnotation: strings.Repeat("x", 4096)}, enrolled: true},
+		{ns: "plain", name: "claims-enabled", annotations: map[string]string{enrollment.RedirectionAnnotation: "enabled"}},
+		{ns: "mesh", name: "claims-enabled-mesh", annotations: map[string]string{enrollment.RedirectionAnnotation: "enabled"}, enrolled: true},
+		{ns: "mesh", name: "claims-pending", annotations: map[string]string{enrollment.RedirectionAnnotation: strings.Repeat("x", 4096)}, enrolled: true},
 		// Opting out by label in an enrolled namespace, and in by label in
 		// a plain one, also with the big labels around.
-		{ns: "mesh", name: "opts-out", labels: withLabels(map[string]string{enroll.DataplaneModeLabel: "none"})},
-		{ns: "plain", name: "opts-in", labels: withLabels(map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}), enrolled: true},
+		{ns: "mesh", name: "opts-out", labels: withLabels(map[string]string{enrollment.DataplaneModeLabel: "none"})},
+		{ns: "plain", name: "opts-in", labels: withLabels(map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}), enrolled: true},
 		// Odd-but-valid values of the enrollment label: not "ambient".
-		{ns: "plain", name: "odd-label", labels: map[string]string{enroll.DataplaneModeLabel: "Ambient"}},
+		{ns: "plain", name: "odd-label", labels: map[string]string{enrollment.DataplaneModeLabel: "Ambient"}},
 	}
 	type started struct {
 		tc
@@ -163,7 +163,7 @@ func TestIntegrationPodControlledFieldsAtTheirLimits(t *testing.T) {
 	}
 	for _, s := range all {
 		if s.enrolled {
-			w.eventually(fmt.Sprintf("%s/%.40s annotated enabled", s.ns, s.name), func() bool { return w.annotation(s.pod) == enroll.AnnotationEnabled })
+			w.eventually(fmt.Sprintf("%s/%.40s annotated enabled", s.ns, s.name), func() bool { return w.annotation(s.pod) == enrollment.AnnotationEnabled })
 		}
 	}
 	if !w.agent.Ready.State().Ready {

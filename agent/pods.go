@@ -20,6 +20,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/passlist"
 )
 
@@ -57,10 +58,10 @@ func newInformers(client kubernetes.Interface, meta metadata.Interface, node str
 }
 
 // keptPodAnnotations are the only annotations of a pod the agent reads.
-var keptPodAnnotations = []string{enroll.RedirectionAnnotation, enroll.MirrorAnnotation}
+var keptPodAnnotations = []string{enrollment.RedirectionAnnotation, enroll.MirrorAnnotation}
 
 // trimPod keeps of a pod exactly what the agent reads from its cache:
-//   - the policy (enroll.Policy): namespace, labels, spec.hostNetwork;
+//   - the policy (enrollment.Policy): namespace, labels, spec.hostNetwork;
 //   - the pipeline (agent/enroll): name, UID, the redirection and mirror
 //     annotations, spec.serviceAccountName (sent to ztunnel), status.phase,
 //     the pod IPs, and the PodReadyToStartContainers condition (a new
@@ -100,12 +101,12 @@ func trimPod(obj any) (any, error) {
 		out.OwnerReferences = []metav1.OwnerReference{*ref}
 	}
 	for _, c := range pod.Status.Conditions {
-		if c.Type == corev1.PodReadyToStartContainers || c.Type == enroll.RedirectedCondition {
+		if c.Type == corev1.PodReadyToStartContainers || c.Type == enrollment.RedirectedCondition {
 			out.Status.Conditions = append(out.Status.Conditions, corev1.PodCondition{Type: c.Type, Status: c.Status, LastTransitionTime: c.LastTransitionTime})
 		}
 	}
 	for _, g := range pod.Spec.ReadinessGates {
-		if g.ConditionType == enroll.RedirectedCondition {
+		if g.ConditionType == enrollment.RedirectedCondition {
 			out.Spec.ReadinessGates = []corev1.PodReadinessGate{g}
 		}
 	}
@@ -199,7 +200,7 @@ func cachedOrRead[T any](ctx context.Context, wait time.Duration, cached func() 
 
 // notEnrolled decides, from the cache, whether a pod is known not to be
 // enrolled: a pod whose namespace the cache lacks is not known.
-func (c *podCache) notEnrolled(policy enroll.Policy) passlist.Decide {
+func (c *podCache) notEnrolled(policy enrollment.Policy) passlist.Decide {
 	return func(namespace, name string) (string, bool, bool) {
 		pod, err := c.pods.Pods(namespace).Get(name)
 		if err != nil {

@@ -13,6 +13,7 @@ import (
 	"k8s.io/client-go/tools/reference"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 )
 
 // podRead is every field of a cached pod the agent reads: the policy, the
@@ -45,16 +46,16 @@ func readOf(t *testing.T, p *corev1.Pod) podRead {
 		if c.Type == corev1.PodReadyToStartContainers {
 			sandboxReady = append(sandboxReady, corev1.PodCondition{Type: c.Type, Status: c.Status, LastTransitionTime: c.LastTransitionTime})
 		}
-		if c.Type == enroll.RedirectedCondition {
+		if c.Type == enrollment.RedirectedCondition {
 			redirected = append(redirected, corev1.PodCondition{Type: c.Type, Status: c.Status})
 		}
 	}
 	return podRead{Name: p.Name, Namespace: p.Namespace, UID: string(p.UID), ResourceVersion: p.ResourceVersion, Labels: p.Labels,
-		Redirection: p.Annotations[enroll.RedirectionAnnotation], Mirror: p.Annotations[enroll.MirrorAnnotation], SandboxUID: enroll.SandboxUID(p),
+		Redirection: p.Annotations[enrollment.RedirectionAnnotation], Mirror: p.Annotations[enroll.MirrorAnnotation], SandboxUID: enroll.SandboxUID(p),
 		Deleting: p.DeletionTimestamp != nil, Controller: metav1.GetControllerOf(p), NodeName: p.Spec.NodeName,
 		ServiceAccount: p.Spec.ServiceAccountName, HostNetwork: p.Spec.HostNetwork, Phase: p.Status.Phase, PodIP: p.Status.PodIP,
 		PodIPs: p.Status.PodIPs, SandboxReady: sandboxReady, EventRef: ref,
-		Gated: enroll.HasRedirectedGate(p), Redirected: redirected}
+		Gated: enrollment.HasRedirectedGate(p), Redirected: redirected}
 }
 
 // A pod as the API server sends it: managedFields, a big last-applied
@@ -100,17 +101,17 @@ func TestTrimPodKeepsWhatTheAgentReads(t *testing.T) {
 	deleting := metav1.NewTime(time.Date(2026, 12, 1, 11, 0, 0, 0, time.UTC))
 	pods := map[string]*corev1.Pod{
 		"plain":            fullPod(nil),
-		"labelled ambient": fullPod(func(p *corev1.Pod) { p.Labels[enroll.DataplaneModeLabel] = enroll.DataplaneAmbient }),
-		"opted out":        fullPod(func(p *corev1.Pod) { p.Labels[enroll.DataplaneModeLabel] = enroll.DataplaneNone }),
-		"custom label":     fullPod(func(p *corev1.Pod) { p.Labels["example.com/mesh"] = enroll.DataplaneAmbient }),
+		"labelled ambient": fullPod(func(p *corev1.Pod) { p.Labels[enrollment.DataplaneModeLabel] = enrollment.DataplaneAmbient }),
+		"opted out":        fullPod(func(p *corev1.Pod) { p.Labels[enrollment.DataplaneModeLabel] = enrollment.DataplaneNone }),
+		"custom label":     fullPod(func(p *corev1.Pod) { p.Labels["example.com/mesh"] = enrollment.DataplaneAmbient }),
 		"host network": fullPod(func(p *corev1.Pod) {
 			p.Spec.HostNetwork = true
-			p.Labels[enroll.DataplaneModeLabel] = enroll.DataplaneAmbient
+			p.Labels[enrollment.DataplaneModeLabel] = enrollment.DataplaneAmbient
 		}),
 		"excluded namespace": fullPod(func(p *corev1.Pod) { p.Namespace = "kube-system" }),
 		"no labels":          fullPod(func(p *corev1.Pod) { p.Labels = nil }),
-		"annotated enabled":  fullPod(func(p *corev1.Pod) { p.Annotations[enroll.RedirectionAnnotation] = enroll.AnnotationEnabled }),
-		"annotated pending":  fullPod(func(p *corev1.Pod) { p.Annotations[enroll.RedirectionAnnotation] = enroll.AnnotationPending }),
+		"annotated enabled":  fullPod(func(p *corev1.Pod) { p.Annotations[enrollment.RedirectionAnnotation] = enrollment.AnnotationEnabled }),
+		"annotated pending":  fullPod(func(p *corev1.Pod) { p.Annotations[enrollment.RedirectionAnnotation] = enrollment.AnnotationPending }),
 		"mirror of static":   fullPod(func(p *corev1.Pod) { p.Annotations[enroll.MirrorAnnotation] = "hash"; p.OwnerReferences = nil }),
 		"no annotations":     fullPod(func(p *corev1.Pod) { p.Annotations = nil }),
 		"terminating":        fullPod(func(p *corev1.Pod) { p.DeletionTimestamp = &deleting }),
@@ -119,9 +120,9 @@ func TestTrimPodKeepsWhatTheAgentReads(t *testing.T) {
 		"only the old PodIP": fullPod(func(p *corev1.Pod) { p.Status.PodIPs = nil }),
 		"sandbox not ready":  fullPod(func(p *corev1.Pod) { p.Status.Conditions[1].Status = corev1.ConditionFalse }),
 		"gated, proven": fullPod(func(p *corev1.Pod) {
-			p.Spec.ReadinessGates = []corev1.PodReadinessGate{{ConditionType: "example.com/other"}, {ConditionType: enroll.RedirectedCondition}}
-			p.Status.Conditions = append(p.Status.Conditions, corev1.PodCondition{Type: enroll.RedirectedCondition, Status: corev1.ConditionTrue,
-				Reason: enroll.ReasonRedirected, Message: "long text the agent never reads", LastProbeTime: metav1.Now()})
+			p.Spec.ReadinessGates = []corev1.PodReadinessGate{{ConditionType: "example.com/other"}, {ConditionType: enrollment.RedirectedCondition}}
+			p.Status.Conditions = append(p.Status.Conditions, corev1.PodCondition{Type: enrollment.RedirectedCondition, Status: corev1.ConditionTrue,
+				Reason: enrollment.ReasonRedirected, Message: "long text the agent never reads", LastProbeTime: metav1.Now()})
 		}),
 		"other gate only": fullPod(func(p *corev1.Pod) {
 			p.Spec.ReadinessGates = []corev1.PodReadinessGate{{ConditionType: "example.com/other"}}
@@ -133,17 +134,17 @@ func TestTrimPodKeepsWhatTheAgentReads(t *testing.T) {
 		"no status, no spec": {ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "bare", UID: "u"}},
 		"other node, no SA":  fullPod(func(p *corev1.Pod) { p.Spec.NodeName = "node-b"; p.Spec.ServiceAccountName = "" }),
 		"ambient, terminated": fullPod(func(p *corev1.Pod) {
-			p.Labels[enroll.DataplaneModeLabel] = enroll.DataplaneAmbient
+			p.Labels[enrollment.DataplaneModeLabel] = enrollment.DataplaneAmbient
 			p.Status.Phase = corev1.PodFailed
 		}),
 	}
 	namespaces := []*corev1.Namespace{
 		{ObjectMeta: metav1.ObjectMeta{Name: "mesh"}},
-		{ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}},
-		{ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{"example.com/mesh": enroll.DataplaneAmbient}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{"example.com/mesh": enrollment.DataplaneAmbient}}},
 		nil,
 	}
-	policies := []enroll.Policy{{ExcludedNamespaces: []string{"kube-system"}}, {Label: "example.com/mesh"}}
+	policies := []enrollment.Policy{{ExcludedNamespaces: []string{"kube-system"}}, {Label: "example.com/mesh"}}
 	for name, orig := range pods {
 		before := orig.DeepCopy()
 		obj, err := trimPod(orig)
@@ -183,7 +184,7 @@ func TestTrimPodKeepsWhatTheAgentReads(t *testing.T) {
 func TestTrimNamespaceAndDaemonSetKeepWhatTheAgentReads(t *testing.T) {
 	ns := &metav1.PartialObjectMetadata{TypeMeta: metav1.TypeMeta{APIVersion: "meta.k8s.io/v1", Kind: "PartialObjectMetadata"},
 		ObjectMeta: metav1.ObjectMeta{Name: "mesh", UID: "ns", ResourceVersion: "7",
-			Labels:        map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient, "kubernetes.io/metadata.name": "mesh"},
+			Labels:        map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient, "kubernetes.io/metadata.name": "mesh"},
 			Annotations:   map[string]string{"kubectl.kubernetes.io/last-applied-configuration": "{}"},
 			ManagedFields: []metav1.ManagedFieldsEntry{{Manager: "kubectl"}}}}
 	obj, _ := trimNamespace(ns)
@@ -194,7 +195,7 @@ func TestTrimNamespaceAndDaemonSetKeepWhatTheAgentReads(t *testing.T) {
 	if len(got.ManagedFields) > 0 || len(got.Annotations) > 0 {
 		t.Errorf("trimmed namespace keeps what the agent never reads: %+v", got)
 	}
-	pol := enroll.Policy{}
+	pol := enrollment.Policy{}
 	pod := fullPod(nil)
 	if !pol.Enrolled(pod, &corev1.Namespace{ObjectMeta: got.ObjectMeta}) {
 		t.Error("a pod of a labelled namespace is not enrolled from the trimmed namespace")

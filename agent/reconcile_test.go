@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/cnievent"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/zds"
@@ -29,7 +30,7 @@ import (
 // later removal by name may pick either.
 func TestReconcileDropsAnOldIncarnationOfARecreatedPod(t *testing.T) {
 	old := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "web-0", UID: "uid-old",
-		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}}
+		Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}}}
 	recreated := old.DeepCopy()
 	recreated.UID = "uid-new"
 	indexer := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
@@ -53,7 +54,7 @@ func TestReconcileDropsAnOldIncarnationOfARecreatedPod(t *testing.T) {
 // watch lagged, and a sweep must not take a running pod out of the mesh.
 func TestReconcileKeepsAnEnrolledPodTheCacheLagsOn(t *testing.T) {
 	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "web-0", UID: "uid-1",
-		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}}
+		Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}}}
 	key := types.NamespacedName{Namespace: "mesh", Name: "web-0"}
 	client := fake.NewClientset(pod)
 	pods := &podCache{pods: listersv1.NewPodLister(cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})), client: client}

@@ -165,9 +165,9 @@ func (w *uninstallWatch) ownerOf(self *corev1.Pod) (*metav1.OwnerReference, stri
 	return ref, ""
 }
 
-// uninstalling decides, at shutdown, whether inpod is being removed from
-// the node: only on unambiguous evidence (invariant 5). It answers yes
-// only when
+// uninstalling decides, at shutdown, whether inpod is being removed from the
+// node: only on unambiguous evidence (invariant 5, docs/design/invariants.md).
+// It answers yes only when
 //   - the DaemonSet that controls the agent's own pod, identified by UID, is
 //     gone or being deleted (seen by the watch, or read now: not found,
 //     being deleted, or its name now belongs to another object), or, read

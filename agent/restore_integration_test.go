@@ -16,7 +16,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/agent/redirect"
 )
 
@@ -26,7 +26,7 @@ import (
 func newRestoreWorld(t *testing.T) (*world, string) {
 	w := newWorld(t)
 	if _, err := w.client.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving",
-		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}}, metav1.CreateOptions{}); err != nil {
+		Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	bin := filepath.Join(t.TempDir(), "inpod-agent")
@@ -74,7 +74,7 @@ func TestIntegrationRestartHoldsAnUnfoundPodAndReleasesAnUnlabelledOne(t *testin
 	w.setRunning(leaving, leavingIP)
 	leavingNS.RunAsPod(t, string(leaving.UID))
 	w.eventually("both pods annotated enabled", func() bool {
-		return w.annotation(unfound) == enroll.AnnotationEnabled && w.annotation(leaving) == enroll.AnnotationEnabled
+		return w.annotation(unfound) == enrollment.AnnotationEnabled && w.annotation(leaving) == enrollment.AnnotationEnabled
 	})
 
 	first.cmd.Process.Signal(syscall.SIGKILL)

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 )
 
 // podPatch says whether r is a patch of a pod (the annotation writer's
@@ -61,8 +61,8 @@ func TestIntegrationGracefulStopWritesTheAnnotationsItHeld(t *testing.T) {
 	w.eventually("the writer refused ten times", func() bool { return refused.Load() >= 10 })
 	refusing.Store(false)
 	stopWithin(t, stop, 20*time.Second)
-	if got := w.annotation(pod); got != enroll.AnnotationEnabled {
-		t.Fatalf("redirection annotation after the stop = %q, want %q", got, enroll.AnnotationEnabled)
+	if got := w.annotation(pod); got != enrollment.AnnotationEnabled {
+		t.Fatalf("redirection annotation after the stop = %q, want %q", got, enrollment.AnnotationEnabled)
 	}
 }
 

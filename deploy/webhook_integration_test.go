@@ -17,7 +17,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/requestcases"
 	"github.com/inpod-dev/inpod/requestwebhook"
 )
@@ -85,7 +85,7 @@ func TestIntegrationResourceRequestWebhook(t *testing.T) {
 	}
 	w, err := requestwebhook.New(requestwebhook.Config{
 		Client:        client,
-		Policy:        enroll.Policy{ExcludedNamespaces: []string{requestcases.Excluded}, Label: requestcases.Label},
+		Policy:        enrollment.Policy{ExcludedNamespaces: []string{requestcases.Excluded}, Label: requestcases.Label},
 		ResourceName:  requestcases.ResourceName,
 		ReadinessGate: true,
 		OwnNamespace:  requestcases.Own,

@@ -15,7 +15,8 @@
 //   - Not ready: the slice stays, but its device carries one NoSchedule
 //     device taint per failing readiness condition (key names it), so the
 //     scheduler allocates it to no new claim. Never NoExecute: a readiness
-//     flip never evicts a running pod (invariant 8).
+//     flip never evicts a running pod (invariant 8,
+//     docs/design/invariants.md).
 //   - A pod bound in any window (the taint not yet visible, or a slice left
 //     behind by an agent that died while ready) still cannot start:
 //     NodePrepareResources refuses while not ready, and the kubelet does not

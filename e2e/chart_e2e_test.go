@@ -15,7 +15,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/e2e/chart"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
@@ -85,7 +85,7 @@ func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 		return q.Value() > 0
 	})
 
-	for name, labels := range map[string]map[string]string{"mesh": {enroll.DataplaneModeLabel: enroll.DataplaneAmbient}, "plain": nil} {
+	for name, labels := range map[string]map[string]string{"mesh": {enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}, "plain": nil} {
 		if _, err := client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
@@ -125,8 +125,8 @@ func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if p.UID != app.UID || p.Status.Phase != corev1.PodRunning || p.Status.ContainerStatuses[0].RestartCount != 0 || p.Annotations[enroll.RedirectionAnnotation] != "enabled" {
-		t.Fatalf("the enrolled pod was disturbed by the upgrade: phase %s, restarts %d, annotation %q", p.Status.Phase, p.Status.ContainerStatuses[0].RestartCount, p.Annotations[enroll.RedirectionAnnotation])
+	if p.UID != app.UID || p.Status.Phase != corev1.PodRunning || p.Status.ContainerStatuses[0].RestartCount != 0 || p.Annotations[enrollment.RedirectionAnnotation] != "enabled" {
+		t.Fatalf("the enrolled pod was disturbed by the upgrade: phase %s, restarts %d, annotation %q", p.Status.Phase, p.Status.ContainerStatuses[0].RestartCount, p.Annotations[enrollment.RedirectionAnnotation])
 	}
 	inbound("client-after-upgrade")
 
@@ -149,8 +149,8 @@ func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if v, has := p.Annotations[enroll.RedirectionAnnotation]; has {
-		t.Errorf("after uninstall the pod still carries %s=%q", enroll.RedirectionAnnotation, v)
+	if v, has := p.Annotations[enrollment.RedirectionAnnotation]; has {
+		t.Errorf("after uninstall the pod still carries %s=%q", enrollment.RedirectionAnnotation, v)
 	}
 }
 

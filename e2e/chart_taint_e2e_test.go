@@ -23,8 +23,8 @@ import (
 // (gates={node-condition}, controller.enabled, controller.nodeTaintPolicy):
 // the policy taints a Node created afterwards; the node itself existed
 // before the install, which the CREATE-only policy never sees, so it is
-// tainted by hand first, as the README tells users to do for existing nodes.
-// inpod-controller runs as a Deployment pod on that tainted node (it
+// tainted by hand first, as docs/install.md tells users to do for existing
+// nodes. inpod-controller runs as a Deployment pod on that tainted node (it
 // tolerates the taint), keeps the taint while the agent reports False (no
 // ztunnel yet), and removes it once the agent is ready; a pod without a
 // toleration then runs.

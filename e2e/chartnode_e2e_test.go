@@ -15,7 +15,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/e2e/chart"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
@@ -50,7 +50,7 @@ func newChartNode(ctx context.Context, t *testing.T, root string) *chartNode {
 		filepath.Join(imgDir, "inpod-controller.tar"), filepath.Join(imgDir, "inpod-waitready.tar")); err != nil {
 		t.Fatal(err)
 	}
-	for name, labels := range map[string]map[string]string{"mesh": {enroll.DataplaneModeLabel: enroll.DataplaneAmbient}, "plain": nil} {
+	for name, labels := range map[string]map[string]string{"mesh": {enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}, "plain": nil} {
 		if _, err := node.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
@@ -185,6 +185,6 @@ func (c *chartNode) enrolled(t *testing.T, p *corev1.Pod) {
 	}
 	testkit.Eventually(t, time.Minute, p.Name+" annotated enabled", func() bool {
 		got, err := c.Client.CoreV1().Pods(p.Namespace).Get(c.ctx, p.Name, metav1.GetOptions{})
-		return err == nil && got.Annotations[enroll.RedirectionAnnotation] == "enabled"
+		return err == nil && got.Annotations[enrollment.RedirectionAnnotation] == "enabled"
 	})
 }

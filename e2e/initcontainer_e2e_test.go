@@ -12,7 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
@@ -94,8 +94,8 @@ func TestE2EInitContainerGate(t *testing.T) {
 		return p.Status.Phase == corev1.PodRunning && p.Status.PodIP != ""
 	})
 	t.Logf("app Running %s after the agent's node was labelled (init-container back-off included)", time.Since(labelled).Round(time.Second))
-	if p.Annotations[enroll.RedirectionAnnotation] != enroll.AnnotationEnabled {
-		t.Errorf("the app runs without the %s=enabled annotation: %v", enroll.RedirectionAnnotation, p.Annotations)
+	if p.Annotations[enrollment.RedirectionAnnotation] != enrollment.AnnotationEnabled {
+		t.Errorf("the app runs without the %s=enabled annotation: %v", enrollment.RedirectionAnnotation, p.Annotations)
 	}
 	logs, err := client.CoreV1().Pods("mesh").GetLogs("app", &corev1.PodLogOptions{Container: "inpod-wait-ready"}).DoRaw(ctx)
 	if err != nil {

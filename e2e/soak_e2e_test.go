@@ -27,7 +27,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/inpod-dev/inpod/agent"
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/e2e/chart"
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/testkit"
@@ -249,7 +249,7 @@ type soak struct {
 	faults     map[string]int      // by kind
 	outcomes   map[string]int      // judged outcomes
 	violations []string
-	// knownLimits are outcomes of documented limits (README, Known
+	// knownLimits are outcomes of documented limits (docs/operations.md, Known
 	// limits): counted and printed, not failures.
 	knownLimits []string
 	// clobbers are the windows in which the conflist lacked inpod.
@@ -676,9 +676,9 @@ func (s *soak) fault(kind string, r *rand.Rand) error {
 		s.mu.Unlock()
 		value := "null"
 		if to {
-			value = strconv.Quote(enroll.DataplaneAmbient)
+			value = strconv.Quote(enrollment.DataplaneAmbient)
 		}
-		patch := fmt.Sprintf(`{"metadata":{"labels":{%q:%s}}}`, enroll.DataplaneModeLabel, value)
+		patch := fmt.Sprintf(`{"metadata":{"labels":{%q:%s}}}`, enrollment.DataplaneModeLabel, value)
 		// Recorded before the PATCH is sent: the agent can act on the
 		// change (a Del) before the PATCH returns, and a judge round in
 		// between must know of it. Kept when the PATCH fails, which may
@@ -1159,7 +1159,8 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, round *
 			// the pod requested no gate resource (created before its
 			// namespace was labelled), so no PreStartContainer held its
 			// app; the agent found it running and redirected it in place
-			// (README, Known limits). A gated pod gets no such excuse.
+			// (docs/operations.md, Known limits). A gated pod gets no such
+			// excuse.
 			s.knownLimit("enrolled %s (no gate resource) started while the conflist lacked inpod (a clobber overlapped its set-up); redirected in place afterwards", key)
 		case constant && labelled:
 			s.violate("enrolled %s ran unredirected: no Add acknowledged for its netns %s (%s) before its start and no listeners (rules now:\n%s)", key, name, id, rules)
@@ -1359,16 +1360,16 @@ func (s *soak) checkConditions(live []*soakPod) {
 				}
 				return false, nil // the API: poll again
 			}
-			if !enroll.HasRedirectedGate(p) {
+			if !enrollment.HasRedirectedGate(p) {
 				continue
 			}
-			want := "True/" + enroll.ReasonNotEnrolled
+			want := "True/" + enrollment.ReasonNotEnrolled
 			if sp.enrolled {
-				want = "True/" + enroll.ReasonRedirected
+				want = "True/" + enrollment.ReasonRedirected
 			}
-			if got := conditionOf(p, enroll.RedirectedCondition); got != want || conditionOf(p, corev1.PodReady) != "True/" {
+			if got := conditionOf(p, enrollment.RedirectedCondition); got != want || conditionOf(p, corev1.PodReady) != "True/" {
 				wrong = append(wrong, fmt.Sprintf("%s/%s (enrolled %v): condition %s %s, want %s; Ready %s", sp.ns, sp.name, sp.enrolled,
-					enroll.RedirectedCondition, got, want, conditionOf(p, corev1.PodReady)))
+					enrollment.RedirectedCondition, got, want, conditionOf(p, corev1.PodReady)))
 			}
 		}
 		return len(wrong) == 0, nil

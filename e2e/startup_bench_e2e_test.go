@@ -24,7 +24,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/e2e/chart"
 	"github.com/inpod-dev/inpod/e2e/cluster"
@@ -305,7 +305,7 @@ func waitGate(ctx context.Context, b *testing.B, c kubernetes.Interface, node *c
 // benchStartup measures pod start-up of enrolled and plain pods and
 // records it against the plain pods, the floor.
 func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, node *cluster.Node, mode string) {
-	for name, labels := range map[string]map[string]string{"mesh": {enroll.DataplaneModeLabel: enroll.DataplaneAmbient}, "plain": nil} {
+	for name, labels := range map[string]map[string]string{"mesh": {enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}, "plain": nil} {
 		if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
 			b.Fatal(err)
 		}
@@ -330,15 +330,15 @@ func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, nod
 			}
 			// Ready waits on the agent's proof: enrolled pods carry the
 			// readiness gate the chart's policy adds (on by default).
-			if gated := enroll.HasRedirectedGate(p); gated != (ns == "mesh") {
-				b.Fatalf("%s/%s: readiness gate %s: %v, not what a %s pod gets", ns, p.Name, enroll.RedirectedCondition, gated, ns)
+			if gated := enrollment.HasRedirectedGate(p); gated != (ns == "mesh") {
+				b.Fatalf("%s/%s: readiness gate %s: %v, not what a %s pod gets", ns, p.Name, enrollment.RedirectedCondition, gated, ns)
 			}
 			if ns != "mesh" {
 				return
 			}
 			testkit.Eventually(b, 30*time.Second, ns+"/"+p.Name+" annotated enabled", func() bool {
 				got, err := c.CoreV1().Pods(ns).Get(ctx, p.Name, metav1.GetOptions{})
-				return err == nil && got.Annotations[enroll.RedirectionAnnotation] == "enabled"
+				return err == nil && got.Annotations[enrollment.RedirectionAnnotation] == "enabled"
 			})
 		})
 	}
@@ -408,9 +408,9 @@ func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, nod
 	benchreport.Record(b, benchreport.Figure{Section: benchreport.HeadlineSection,
 		Name:  fmt.Sprintf("of which inpod's CNI ADD in the agent, %s gate, %d at once, mean (its metrics)", mode, startupPods),
 		Value: ms(allCNI), Unit: "ms"})
-	b.Logf("%s: the agent's writes of the %s condition per enrolled pod start, one at a time: %.2f", mode, enroll.RedirectedCondition, writesPerStart)
+	b.Logf("%s: the agent's writes of the %s condition per enrolled pod start, one at a time: %.2f", mode, enrollment.RedirectedCondition, writesPerStart)
 	benchreport.Record(b, benchreport.Figure{Section: benchreport.HeadlineSection,
-		Name:  fmt.Sprintf("extra API writes per enrolled pod start (the agent's %s condition, a pods/status patch), %s gate, one at a time", enroll.RedirectedCondition, mode),
+		Name:  fmt.Sprintf("extra API writes per enrolled pod start (the agent's %s condition, a pods/status patch), %s gate, one at a time", enrollment.RedirectedCondition, mode),
 		Value: writesPerStart, Unit: "writes", Target: "1 (the condition written once)"})
 	benchreport.Record(b, benchreport.Figure{Section: benchreport.HeadlineSection,
 		Name:  fmt.Sprintf("the agent's CPU per enrolled pod (start and delete), %s gate, %d at once", mode, startupPods),

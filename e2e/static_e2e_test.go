@@ -18,6 +18,7 @@ import (
 
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/e2e/images"
@@ -38,7 +39,7 @@ func TestE2EStaticPods(t *testing.T) {
 		RepoDir: testkit.RepoDir(t), StaticPodPath: manifests})
 	client := node.Client
 	for name, labels := range map[string]map[string]string{
-		"mesh":  {enroll.DataplaneModeLabel: enroll.DataplaneAmbient},
+		"mesh":  {enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient},
 		"plain": nil,
 	} {
 		ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}
@@ -112,12 +113,12 @@ func TestE2EStaticPods(t *testing.T) {
 	}
 	testkit.Eventually(t, 30*time.Second, "the enrolled static pod's redirection annotation", func() bool {
 		p, err := client.CoreV1().Pods("mesh").Get(ctx, mesh.Name, metav1.GetOptions{})
-		return err == nil && p.Annotations[enroll.RedirectionAnnotation] == enroll.AnnotationEnabled
+		return err == nil && p.Annotations[enrollment.RedirectionAnnotation] == enrollment.AnnotationEnabled
 	})
 	if _, ok := workloads[string(plain.UID)]; ok {
 		t.Errorf("the static pod in a plain namespace was handed to ztunnel")
 	}
-	if v, ok := plain.Annotations[enroll.RedirectionAnnotation]; ok {
-		t.Errorf("the static pod in a plain namespace has %s=%s", enroll.RedirectionAnnotation, v)
+	if v, ok := plain.Annotations[enrollment.RedirectionAnnotation]; ok {
+		t.Errorf("the static pod in a plain namespace has %s=%s", enrollment.RedirectionAnnotation, v)
 	}
 }

@@ -24,6 +24,7 @@ import (
 
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/netns"
 )
@@ -272,10 +273,10 @@ func (c *chartNode) verifierRepairs(t *testing.T, app, peer *corev1.Pod) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	gated := enroll.HasRedirectedGate(cur)
+	gated := enrollment.HasRedirectedGate(cur)
 	var trail *conditionTrail
 	if gated {
-		trail = watchCondition(t, ctx, c, cur, enroll.RedirectedCondition)
+		trail = watchCondition(t, ctx, c, cur, enrollment.RedirectedCondition)
 		defer trail.stop()
 	}
 	before := netnsRuleset(t, appNS)
@@ -343,16 +344,16 @@ func (c *chartNode) verifierRepairs(t *testing.T, app, peer *corev1.Pod) {
 
 	// The readiness gate: the condition dipped and came back.
 	if gated {
-		down, up := "False/Repaired", "True/"+enroll.ReasonRedirected
+		down, up := "False/Repaired", "True/"+enrollment.ReasonRedirected
 		if err := pollFor(repairBound, func() bool { return trail.dippedAndBack(down, up) }); err != nil {
-			t.Errorf("%s's condition %s went %s, want %s then %s", app.Name, enroll.RedirectedCondition, trail, down, up)
+			t.Errorf("%s's condition %s went %s, want %s then %s", app.Name, enrollment.RedirectedCondition, trail, down, up)
 		} else {
-			t.Logf("%s's condition %s went %s", app.Name, enroll.RedirectedCondition, trail)
+			t.Logf("%s's condition %s went %s", app.Name, enrollment.RedirectedCondition, trail)
 		}
 	} else {
 		// Starts checking by itself once the chart's admission policy gives
 		// enrolled pods the gate (and the agent writes the condition).
-		t.Logf("SKIPPED the readiness-gate check: %s has no readiness gate %s", app.Name, enroll.RedirectedCondition)
+		t.Logf("SKIPPED the readiness-gate check: %s has no readiness gate %s", app.Name, enrollment.RedirectedCondition)
 	}
 
 	// Sequence 1 of issue 35, on the same pod while the plain pod is
@@ -389,7 +390,7 @@ func (c *chartNode) relabelAfterStalledDel(t *testing.T, app *corev1.Pod, appNS,
 	ctx := c.ctx
 	label := func(value string) {
 		t.Helper()
-		patch := fmt.Sprintf(`{"metadata":{"labels":{%q:%s}}}`, enroll.DataplaneModeLabel, value)
+		patch := fmt.Sprintf(`{"metadata":{"labels":{%q:%s}}}`, enrollment.DataplaneModeLabel, value)
 		if _, err := c.Client.CoreV1().Pods(app.Namespace).Patch(ctx, app.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 			t.Fatal(err)
 		}
@@ -399,13 +400,13 @@ func (c *chartNode) relabelAfterStalledDel(t *testing.T, app *corev1.Pod, appNS,
 	if err != nil {
 		t.Fatal(err)
 	}
-	label(strconv.Quote(enroll.DataplaneNone))
+	label(strconv.Quote(enrollment.DataplaneNone))
 	unlabelled := time.Now()
 	if err := pollFor(5*time.Second, func() bool {
 		r, _, err := netnsRules(appNS)
 		return err == nil && !hasInpodRules(r)
 	}); err != nil {
-		t.Fatalf("%s labelled %s=%s: its rules still there after 5 s; the sequence needs them gone while ztunnel stalls the Del", app.Name, enroll.DataplaneModeLabel, enroll.DataplaneNone)
+		t.Fatalf("%s labelled %s=%s: its rules still there after 5 s; the sequence needs them gone while ztunnel stalls the Del", app.Name, enrollment.DataplaneModeLabel, enrollment.DataplaneNone)
 	}
 	label("null")
 	relabelled := time.Since(unlabelled)

@@ -1,11 +1,27 @@
 #!/usr/bin/env bash
 # The chart's static checks (make test): helm lint and helm template for
-# each gate value, and the schema refusing wrong values with a message that
-# names them.
+# each gate value, NOTES.txt for each gate value, the schema refusing wrong
+# values with a message that names them, and the chart's README current.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 helm="$repo/bin/helm"
 chart="$repo/deploy/helm/inpod"
+
+# NOTES.txt as helm install prints it. helm template never renders it and
+# helm install --dry-run needs a cluster, so a copy of the chart renders it
+# through tpl (same engine, values and helpers) into a ConfigMap.
+notes_chart=$(mktemp -d)
+trap 'rm -rf "$notes_chart"' EXIT
+cp -R "$chart/." "$notes_chart/"
+cp "$chart/templates/NOTES.txt" "$notes_chart/notes.txt"
+printf '%s\n' 'apiVersion: v1' 'kind: ConfigMap' 'metadata: {name: notes}' 'data:' \
+  '  notes: {{ tpl (.Files.Get "notes.txt") . | b64enc }}' >"$notes_chart/templates/zz-notes.yaml"
+notes() { # helm args...
+  local out
+  out=$("$helm" template inpod "$notes_chart" -n inpod-system --show-only templates/zz-notes.yaml "$@") ||
+    { echo "NOTES.txt does not render with $*" >&2; exit 1; }
+  sed -n 's/^  notes: //p' <<<"$out" | base64 -d
+}
 
 "$helm" lint --strict "$chart" >/dev/null
 for gates in deviceplugin dra node-condition none deviceplugin,node-condition dra,node-condition initcontainer deviceplugin,initcontainer; do
@@ -29,6 +45,27 @@ for gates in deviceplugin dra node-condition none deviceplugin,node-condition dr
   # The readiness gate, whatever the gates.
   grep -q 'name: inpod-readiness-gate$' <<<"$out" || { echo "gates=$gates: no readiness-gate policy" >&2; exit 1; }
   "$helm" lint --strict "$chart" "${args[@]}" >/dev/null
+  # NOTES.txt: the agents, enrolling, where each listed gate (and no other)
+  # shows readiness, the readiness gate, uninstalling.
+  out=$(notes "${args[@]}")
+  for want in 'kubectl -n inpod-system get daemonset inpod-agent' 'kubectl label namespace <namespace> istio.io/dataplane-mode=ambient' \
+    '@.type=="inpod.dev/redirected"' 'helm uninstall inpod -n inpod-system' 'kubectl -n inpod-system logs job/inpod-uninstall-hook'; do
+    grep -qF -- "$want" <<<"$out" || { echo "gates=$gates: NOTES.txt lacks $want" >&2; exit 1; }
+  done
+  for gate in deviceplugin dra node-condition initcontainer none; do
+    case $gate in
+      deviceplugin) line='.status.allocatable.inpod\.dev/redirection' ;;
+      dra) line='--field-selector spec.driver=redirection.inpod.dev' ;;
+      node-condition) line='@.type=="InPodRedirectionReady"' ;;
+      initcontainer) line='logs <pod> -c inpod-wait-ready' ;;
+      none) line='none: no gate' ;;
+    esac
+    if [[ ",$gates," == *",$gate,"* ]]; then
+      grep -qF -- "$line" <<<"$out" || { echo "gates=$gates: NOTES.txt lacks $line" >&2; exit 1; }
+    elif grep -qF -- "$line" <<<"$out"; then
+      echo "gates=$gates: NOTES.txt shows $gate's readiness ($line)" >&2; exit 1
+    fi
+  done
 done
 # An empty exclusion list renders selectors the API server accepts (no
 # NotIn with no values).
@@ -62,6 +99,20 @@ out=$("$helm" template inpod "$chart" -n inpod-system)
 grep -qF 'resources: [pods/status]' <<<"$out" || { echo "the agent's ClusterRole lacks pods/status" >&2; exit 1; }
 grep -qF 'resources: [pods, pods/status, nodes, nodes/status]' <<<"$out" || { echo "node confinement does not match pods/status" >&2; exit 1; }
 echo "chart: lint and template pass for every gate value; the readiness gate with every gate, off when told"
+# NOTES.txt follows the values it talks about.
+out=$(notes --set enrollment.readinessGate.enabled=false --set uninstallHook.enabled=false --set resourceName=example.com/mesh)
+for want in '.status.allocatable.example\.com/mesh' 'example.com/mesh: 1 at creation' 'uninstallHook.enabled=false'; do
+  grep -qF -- "$want" <<<"$out" || { echo "NOTES.txt lacks $want" >&2; echo "$out" >&2; exit 1; }
+done
+if grep -q 'inpod.dev/redirected\|job/inpod-uninstall-hook' <<<"$out"; then
+  echo "NOTES.txt names the readiness gate or the uninstall hook with both off" >&2; exit 1
+fi
+out=$(notes --set 'gates={node-condition}' --set controller.enabled=true --set controller.nodeTaintPolicy.enabled=true --set controller.taint.key=example.com/mesh-not-ready)
+for want in 'kubectl -n inpod-system get deployment inpod-controller' 'kubectl taint nodes <node> example.com/mesh-not-ready:NoSchedule' \
+  '--set controller.enabled=false --set controller.nodeTaintPolicy.enabled=false' 'kubectl taint nodes --all example.com/mesh-not-ready:NoSchedule-'; do
+  grep -qF -- "$want" <<<"$out" || { echo "NOTES.txt in taint mode lacks $want" >&2; echo "$out" >&2; exit 1; }
+done
+echo "chart: NOTES.txt renders for every gate value, naming where each gate shows readiness"
 
 # The init container (gate initcontainer): first, locked down, only into
 # enrolled pods (the request policy's bindings), refusing rather than
@@ -207,3 +258,8 @@ refuse "caBundle" --set enrollment.autoRequest.mode=webhook --set controller.ena
 refuse "timeoutSeconds" --set enrollment.autoRequest.mode=webhook --set controller.enabled=true --set enrollment.autoRequest.webhook.certManager.enabled=true --set enrollment.autoRequest.webhook.timeoutSeconds=31
 refuse "metrics.service.enabled" --set metrics.service.enabled=false --set metrics.serviceMonitor.enabled=true
 echo "chart: the schema refuses wrong values, naming them"
+
+# The chart's README: every value documented, values.yaml and the schema
+# agreeing, and the committed file what make chart-docs writes.
+(cd "$repo" && go run ./internal/chartdoc/cmd/chartdoc -chart deploy/helm/inpod -check)
+echo "chart: README.md documents every value and is current"

@@ -48,3 +48,4 @@ install_tool() { # name package@version
 install_tool protoc-gen-go "google.golang.org/protobuf/cmd/protoc-gen-go@$protobuf_version"
 install_tool staticcheck "honnef.co/go/tools/cmd/staticcheck@v0.8.2"
 install_tool helm "helm.sh/helm/v3/cmd/helm@v3.22.0"
+install_tool golangci-lint "github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v2.15.0"

@@ -7,7 +7,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 )
 
 // PartOfLabel with the value PartOf marks inpod's own pods, which never
@@ -29,7 +29,7 @@ const ReadinessGate corev1.PodConditionType = "inpod.dev/redirected"
 
 // rules is the decision, apart from how the namespace is found.
 type rules struct {
-	policy   enroll.Policy
+	policy   enrollment.Policy
 	resource corev1.ResourceName
 	// request and gate say what an enrolled pod gets: the resource
 	// request, the readiness gate.
@@ -41,7 +41,7 @@ type rules struct {
 // skip reports whether the pod gets nothing, whatever its namespace:
 // inpod's own (in its namespace), a mirror pod, one that has all it would
 // get already, or decided by its own labels, host network or namespace
-// name (enroll.Policy.ByPod). decided false means its namespace's label
+// name (enrollment.Policy.ByPod). decided false means its namespace's label
 // decides.
 func (r rules) skip(pod *corev1.Pod) (skip, decided bool) {
 	if _, mirror := pod.Annotations[MirrorAnnotation]; mirror || len(pod.Spec.Containers) == 0 || (pod.Namespace == r.own && pod.Labels[PartOfLabel] == PartOf) {

@@ -21,7 +21,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	listersv1 "k8s.io/client-go/listers/core/v1"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 )
 
 // Path is where the webhook answers AdmissionReviews.
@@ -44,7 +44,7 @@ type Config struct {
 	// watch has not seen yet).
 	Client kubernetes.Interface
 	// Policy is the agent's enrollment policy (excluded namespaces, label).
-	Policy enroll.Policy
+	Policy enrollment.Policy
 	// ResourceName is the extended resource requested.
 	ResourceName corev1.ResourceName
 	// NoResourceRequest: enrolled pods do not get the request (no gate

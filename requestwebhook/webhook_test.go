@@ -24,7 +24,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/requestcases"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/requestwebhook"
@@ -47,7 +47,7 @@ func newWebhookWith(t *testing.T, certDir string, request, gate bool) *requestwe
 	objs = append(objs, ks)
 	w, err := requestwebhook.New(requestwebhook.Config{
 		Client:            fake.NewClientset(objs...),
-		Policy:            enroll.Policy{ExcludedNamespaces: []string{requestcases.Excluded}, Label: requestcases.Label},
+		Policy:            enrollment.Policy{ExcludedNamespaces: []string{requestcases.Excluded}, Label: requestcases.Label},
 		ResourceName:      requestcases.ResourceName,
 		NoResourceRequest: !request,
 		ReadinessGate:     gate,

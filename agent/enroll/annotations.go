@@ -1,6 +1,8 @@
 package enroll
 
 import (
+	"github.com/inpod-dev/inpod/enrollment"
+
 	"context"
 	"encoding/json"
 	"errors"
@@ -292,7 +294,7 @@ func (w *AnnotationWriter) write(ctx context.Context, pod annotatedPod) error {
 	}
 	// The UID cannot change, so the API server refuses the patch when the
 	// name now belongs to another pod.
-	meta := map[string]any{"annotations": map[string]any{RedirectionAnnotation: v}, "uid": pod.UID}
+	meta := map[string]any{"annotations": map[string]any{enrollment.RedirectionAnnotation: v}, "uid": pod.UID}
 	patch, _ := json.Marshal(map[string]any{"metadata": meta})
 	_, err := w.client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{})
 	if err != nil && (apierrors.IsConflict(err) || apierrors.IsInvalid(err)) {

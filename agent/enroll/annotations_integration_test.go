@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 )
@@ -34,7 +35,7 @@ func redirectionAnnotation(t *testing.T, c kubernetes.Interface, name types.Name
 	if err != nil {
 		t.Fatal(err)
 	}
-	return pod.Annotations[RedirectionAnnotation], pod.UID
+	return pod.Annotations[enrollment.RedirectionAnnotation], pod.UID
 }
 
 // TestIntegrationAnnotationFollowsThePodNotItsName: a StatefulSet's pod
@@ -55,17 +56,17 @@ func TestIntegrationAnnotationFollowsThePodNotItsName(t *testing.T) {
 	w := NewAnnotationWriter(c, nil, slog.New(slog.DiscardHandler))
 
 	old := createPod(t, c, name)
-	w.Set(name, old.UID, AnnotationEnabled)
+	w.Set(name, old.UID, enrollment.AnnotationEnabled)
 	if err := w.Flush(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if got, _ := redirectionAnnotation(t, c, name); got != AnnotationEnabled {
-		t.Fatalf("annotation on the pod it was asked for: %q, want %q", got, AnnotationEnabled)
+	if got, _ := redirectionAnnotation(t, c, name); got != enrollment.AnnotationEnabled {
+		t.Fatalf("annotation on the pod it was asked for: %q, want %q", got, enrollment.AnnotationEnabled)
 	}
 
 	// The old pod asks again (a reconcile) and is replaced before the
 	// write goes out.
-	w.Set(name, old.UID, AnnotationEnabled)
+	w.Set(name, old.UID, enrollment.AnnotationEnabled)
 	if err := c.CoreV1().Pods(name.Namespace).Delete(ctx, name.Name, *metav1.NewDeleteOptions(0)); err != nil {
 		t.Fatal(err)
 	}
@@ -81,13 +82,13 @@ func TestIntegrationAnnotationFollowsThePodNotItsName(t *testing.T) {
 	}
 
 	// The replacement is enrolled; the old pod's removal comes after.
-	w.Set(name, replacement.UID, AnnotationEnabled)
+	w.Set(name, replacement.UID, enrollment.AnnotationEnabled)
 	w.Set(name, old.UID, "")
 	if err := w.Flush(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if got, _ := redirectionAnnotation(t, c, name); got != AnnotationEnabled {
-		t.Fatalf("the replacement's annotation after the old pod's removal: %q, want %q", got, AnnotationEnabled)
+	if got, _ := redirectionAnnotation(t, c, name); got != enrollment.AnnotationEnabled {
+		t.Fatalf("the replacement's annotation after the old pod's removal: %q, want %q", got, enrollment.AnnotationEnabled)
 	}
 	if n := len(w.want); n != 0 {
 		t.Fatalf("%d writes still wanted", n)

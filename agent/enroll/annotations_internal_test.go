@@ -21,6 +21,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
 
@@ -113,7 +114,7 @@ func startWriter(t *testing.T, busy Activity, maxDefer time.Duration, pods ...st
 			t.Errorf("undecodable patch %s: %v", patch.GetPatch(), err)
 		}
 		v := "<removed>"
-		if p := body.Metadata.Annotations[RedirectionAnnotation]; p != nil {
+		if p := body.Metadata.Annotations[enrollment.RedirectionAnnotation]; p != nil {
 			v = *p
 		}
 		log.mu.Lock()
@@ -139,9 +140,9 @@ func TestAnnotationWriterWaitsOutCNIEvents(t *testing.T) {
 	w, log := startWriter(t, busy, time.Hour, "a", "b")
 
 	busy.begin()
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), AnnotationPending)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), enrollment.AnnotationPending)
 	busy.waitAsked(t) // the writer holds "a" and waits
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), enrollment.AnnotationEnabled)
 	if got := log.all(); len(got) != 0 {
 		t.Fatalf("patched %v while a CNI event was in flight", got)
 	}
@@ -149,9 +150,9 @@ func TestAnnotationWriterWaitsOutCNIEvents(t *testing.T) {
 	testkit.Eventually(t, 10*time.Second, "a's annotation written", func() bool { return len(log.all()) > 0 })
 
 	busy.begin()
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, uidOf("b"), AnnotationPending)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, uidOf("b"), enrollment.AnnotationPending)
 	busy.waitAsked(t)
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, uidOf("b"), AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, uidOf("b"), enrollment.AnnotationEnabled)
 	if got := log.all(); !slices.Equal(got, []string{"a=enabled"}) {
 		t.Fatalf("patches %v in the second busy spell, want only the first spell's a=enabled", got)
 	}
@@ -171,7 +172,7 @@ func TestAnnotationWriterIsNotStarvedByABusyNode(t *testing.T) {
 	w, log := startWriter(t, busy, 20*time.Millisecond, "a", "b")
 	busy.begin()
 	defer busy.end()
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), enrollment.AnnotationEnabled)
 	w.Set(types.NamespacedName{Namespace: "mesh", Name: "b"}, uidOf("b"), "")
 	testkit.Eventually(t, 10*time.Second, "both annotations written while the node stays busy", func() bool {
 		return slices.Equal(log.all(), []string{"a=enabled", "b=<removed>"})
@@ -181,7 +182,7 @@ func TestAnnotationWriterIsNotStarvedByABusyNode(t *testing.T) {
 // Without an activity source the writer writes at once.
 func TestAnnotationWriterWithoutActivityWritesAtOnce(t *testing.T) {
 	w, log := startWriter(t, nil, time.Hour, "a")
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), enrollment.AnnotationEnabled)
 	testkit.Eventually(t, 10*time.Second, "the annotation written", func() bool { return slices.Equal(log.all(), []string{"a=enabled"}) })
 }
 
@@ -191,12 +192,12 @@ func TestAnnotationWriterStopsWaitingWithALongBacklog(t *testing.T) {
 	busy := newFakeActivity()
 	w, log := startWriter(t, busy, time.Hour)
 	busy.begin()
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "first"}, uidOf("first"), AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "first"}, uidOf("first"), enrollment.AnnotationEnabled)
 	busy.waitAsked(t) // the writer holds "first" and waits
 	// A few past the bound: their signals come while the writer drains.
 	const n = MaxDeferredBacklog + 5
 	for i := range n {
-		w.Set(types.NamespacedName{Namespace: "mesh", Name: fmt.Sprintf("p%d", i)}, uidOf(fmt.Sprintf("p%d", i)), AnnotationEnabled)
+		w.Set(types.NamespacedName{Namespace: "mesh", Name: fmt.Sprintf("p%d", i)}, uidOf(fmt.Sprintf("p%d", i)), enrollment.AnnotationEnabled)
 	}
 	testkit.Eventually(t, 10*time.Second, "every annotation written while the node stays busy", func() bool {
 		return len(log.all()) == n+1
@@ -207,9 +208,9 @@ func TestAnnotationWriterStopsWaitingWithALongBacklog(t *testing.T) {
 	// The next busy spell is waited out again: nothing of the backlog
 	// (its signal, its draining) carries over.
 	busy.begin()
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "late"}, uidOf("late"), AnnotationPending)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "late"}, uidOf("late"), enrollment.AnnotationPending)
 	busy.waitAsked(t)
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "late"}, uidOf("late"), AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "late"}, uidOf("late"), enrollment.AnnotationEnabled)
 	busy.end()
 	testkit.Eventually(t, 10*time.Second, "the late pod written", func() bool { return len(log.all()) > n+1 })
 	w.queue.ShutDownWithDrain()
@@ -224,7 +225,7 @@ func TestAnnotationWriterFlush(t *testing.T) {
 	client := fake.NewClientset(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "a", UID: uidOf("a")}})
 	w := NewAnnotationWriter(client, nil, slog.New(slog.DiscardHandler))
 	for _, name := range []string{"a", "b", "c"} {
-		w.Set(types.NamespacedName{Namespace: "mesh", Name: name}, uidOf(name), AnnotationEnabled)
+		w.Set(types.NamespacedName{Namespace: "mesh", Name: name}, uidOf(name), enrollment.AnnotationEnabled)
 	}
 	ended, cancel := context.WithCancel(context.Background())
 	cancel()
@@ -235,7 +236,7 @@ func TestAnnotationWriterFlush(t *testing.T) {
 		t.Fatal(err)
 	}
 	pod, err := client.CoreV1().Pods("mesh").Get(context.Background(), "a", metav1.GetOptions{})
-	if err != nil || pod.Annotations[RedirectionAnnotation] != AnnotationEnabled {
+	if err != nil || pod.Annotations[enrollment.RedirectionAnnotation] != enrollment.AnnotationEnabled {
 		t.Fatalf("pod a annotated %v (%v) after Flush", pod.Annotations, err)
 	}
 }
@@ -292,7 +293,7 @@ func TestAnnotationWriterTellsAReplacedPodFromARefusedPatch(t *testing.T) {
 				return true, pod, err
 			})
 			w := NewAnnotationWriter(client, nil, slog.New(slog.DiscardHandler))
-			w.Set(name, uidOf(name.Name), AnnotationEnabled)
+			w.Set(name, uidOf(name.Name), enrollment.AnnotationEnabled)
 			err := w.Flush(context.Background())
 			kept := len(w.want) == 1
 			if kept != tc.wantKept || (err != nil) != tc.wantKept {
@@ -310,7 +311,7 @@ func TestAnnotationWriterTellsAReplacedPodFromARefusedPatch(t *testing.T) {
 func TestAnnotationWriterRefusesAWriteWithoutAUID(t *testing.T) {
 	client := fake.NewClientset(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "a", UID: uidOf("a")}})
 	w := NewAnnotationWriter(client, nil, slog.New(slog.DiscardHandler))
-	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, "", AnnotationEnabled)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, "", enrollment.AnnotationEnabled)
 	if w.queue.Len() != 0 || len(w.want) != 0 {
 		t.Fatalf("a write without a UID was queued (%d queued, %d wanted)", w.queue.Len(), len(w.want))
 	}
@@ -371,7 +372,7 @@ func TestAnnotationWriterWritesAfterThePendingCondition(t *testing.T) {
 			done := make(chan struct{})
 			go func() { defer close(done); w.Run(ctx) }()
 			t.Cleanup(func() { cancel(); <-done })
-			w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), AnnotationEnabled)
+			w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), enrollment.AnnotationEnabled)
 			patched := func() bool {
 				for _, a := range client.Actions() {
 					if a.GetVerb() == "patch" {

@@ -23,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/uuid"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/agent/enrolledrecord"
 	"github.com/inpod-dev/inpod/agent/podnetns"
 	"github.com/inpod-dev/inpod/agent/redirect"
@@ -181,7 +182,7 @@ func newFixture(t *testing.T) *fixture {
 	}
 	f := &fixture{t: t, probes: &probes{HostProbes: hostProbes}, finder: &countingFinder{},
 		cache: &podCache{pods: map[string]*corev1.Pod{}, api: map[string]*corev1.Pod{}, namespaces: map[string]*corev1.Namespace{
-			"mesh":  {ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}},
+			"mesh":  {ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}}},
 			"plain": {ObjectMeta: metav1.ObjectMeta{Name: "plain"}},
 		}},
 		rec:   &recorder{annots: map[types.NamespacedName]string{}},
@@ -373,10 +374,10 @@ func inZtunnel(z *ztunnel.Standin, pod *corev1.Pod) (netns.Identity, bool) {
 	return w.NetNS, ok
 }
 
-// Invariant 1: an ADD whose pod leaves the decision to its namespace, while
-// that namespace cannot be known, fails closed (the runtime retries) rather
-// than answering "not enrolled"; a pod whose own labels decide needs no
-// namespace.
+// Invariant 1 (docs/design/invariants.md): an ADD whose pod leaves the
+// decision to its namespace, while that namespace cannot be known, fails
+// closed (the runtime retries) rather than answering "not enrolled"; a pod
+// whose own labels decide needs no namespace.
 func TestAddFailsClosedWhileThePodsNamespaceIsUnknown(t *testing.T) {
 	f := newFixture(t)
 	z, _ := f.standin(ztunnel.Config{})
@@ -395,14 +396,14 @@ func TestAddFailsClosedWhileThePodsNamespaceIsUnknown(t *testing.T) {
 	}
 
 	// The pod's own label decides without its namespace, either way.
-	own, ownSB := f.pod("mesh", "own-label", map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}), f.sandbox()
+	own, ownSB := f.pod("mesh", "own-label", map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}), f.sandbox()
 	if out, err := f.add(own, ownSB, "c2"); out != cnievent.Redirected {
 		t.Fatalf("ADD of a pod labelled ambient = %q, %v; want redirected", out, err)
 	}
 	if _, ok := inZtunnel(z, own); !ok || !hasRules(t, ownSB) {
 		t.Fatal("the pod labelled ambient was answered redirected without rules and ztunnel")
 	}
-	optOut, optSB := f.pod("mesh", "opted-out", map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneNone}), f.sandbox()
+	optOut, optSB := f.pod("mesh", "opted-out", map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneNone}), f.sandbox()
 	if out, err := f.add(optOut, optSB, "c3"); out != cnievent.NotEnrolled || err != nil {
 		t.Fatalf("ADD of a pod labelled none = %q, %v; want not-enrolled", out, err)
 	}
@@ -414,8 +415,8 @@ func TestAddFailsClosedWhileThePodsNamespaceIsUnknown(t *testing.T) {
 	}
 }
 
-// Invariant 1 for reconcile: a namespace missing from the cache never
-// unenrolls a running pod.
+// Invariant 1 (docs/design/invariants.md) for reconcile: a namespace missing
+// from the cache never unenrolls a running pod.
 func TestReconcileKeepsAPodWhoseNamespaceIsUnknown(t *testing.T) {
 	f := newFixture(t)
 	z, _ := f.standin(ztunnel.Config{})
@@ -435,9 +436,9 @@ func TestReconcileKeepsAPodWhoseNamespaceIsUnknown(t *testing.T) {
 	}
 }
 
-// Invariant 2: a ztunnel that connects while an Add is in flight to another
-// (a ztunnel upgrade: the old one is slow to ack) gets the pod in its
-// snapshot, so it serves the pod once the old one exits.
+// Invariant 2 (docs/design/invariants.md): a ztunnel that connects while an
+// Add is in flight to another (a ztunnel upgrade: the old one is slow to ack)
+// gets the pod in its snapshot, so it serves the pod once the old one exits.
 func TestZtunnelConnectingDuringAnAddGetsThePodInItsSnapshot(t *testing.T) {
 	f := newFixture(t)
 	old, stopOld := f.standin(ztunnel.Config{AckDelay: 2 * time.Second})
@@ -463,9 +464,9 @@ func TestZtunnelConnectingDuringAnAddGetsThePodInItsSnapshot(t *testing.T) {
 	}
 }
 
-// Invariant 2, the other half: a start that is rolled back takes the pod
-// out of the table again, and a ztunnel that got it in a snapshot meanwhile
-// is told to drop it.
+// Invariant 2 (docs/design/invariants.md), the other half: a start that is
+// rolled back takes the pod out of the table again, and a ztunnel that got it
+// in a snapshot meanwhile is told to drop it.
 func TestRolledBackAddLeavesNoTraceInLaterSnapshots(t *testing.T) {
 	f := newFixture(t)
 	var received atomic.Bool
@@ -589,9 +590,10 @@ func (p *probes) Add(ip netip.Addr) error {
 	return p.HostProbes.Add(ip)
 }
 
-// Invariant 6: a DEL acts only on the sandbox it names. A DEL for another
-// container ID (an older sandbox's, retried by the runtime after the netns
-// is gone) leaves the live sandbox enrolled, whatever its netns path says.
+// Invariant 6 (docs/design/invariants.md): a DEL acts only on the sandbox it
+// names. A DEL for another container ID (an older sandbox's, retried by the
+// runtime after the netns is gone) leaves the live sandbox enrolled, whatever
+// its netns path says.
 func TestStaleDELLeavesTheLiveSandboxEnrolled(t *testing.T) {
 	f := newFixture(t)
 	z, _ := f.standin(ztunnel.Config{})
@@ -650,10 +652,10 @@ func TestDELOfAPodEnrolledThroughProcfsNeedsItsNetns(t *testing.T) {
 	}
 }
 
-// Invariant 6: a sandbox recreated while inpod was missing from the CNI
-// chain (no ADD reached the agent) is found by reconcile and redirected:
-// rules in the new netns, ztunnel moved to it, an event on the pod. The old
-// sandbox's DEL, arriving later, does not undo it.
+// Invariant 6 (docs/design/invariants.md): a sandbox recreated while inpod was
+// missing from the CNI chain (no ADD reached the agent) is found by reconcile
+// and redirected: rules in the new netns, ztunnel moved to it, an event on the
+// pod. The old sandbox's DEL, arriving later, does not undo it.
 func TestReconcileRedirectsASandboxRecreatedWithoutItsADD(t *testing.T) {
 	f := newFixture(t)
 	z, _ := f.standin(ztunnel.Config{})
@@ -818,7 +820,7 @@ func (f *fixture) drainingRelabelledOut(pod *corev1.Pod, sb sandbox) (terminatin
 	terminating = f.running(pod, sb)
 	terminating.DeletionTimestamp = &now
 	out = terminating.DeepCopy()
-	out.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneNone}
+	out.Labels = map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneNone}
 	return terminating, out
 }
 

@@ -15,7 +15,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/cnievent"
 	"github.com/inpod-dev/inpod/internal/testkit"
@@ -110,7 +110,7 @@ func (f *fixture) annotate(pod *corev1.Pod, value string) *corev1.Pod {
 	if p.Annotations == nil {
 		p.Annotations = map[string]string{}
 	}
-	p.Annotations[enroll.RedirectionAnnotation] = value
+	p.Annotations[enrollment.RedirectionAnnotation] = value
 	f.cache.mu.Lock()
 	f.cache.pods[p.Namespace+"/"+p.Name] = p
 	f.cache.mu.Unlock()
@@ -126,11 +126,12 @@ func (f *fixture) exempted(ip netip.Addr) bool {
 	return slices.Contains(members, ip)
 }
 
-// Invariant 2 across a restart: a pod the previous agent enrolled, whose
-// netns the new one cannot find yet (procfs finds no process of it; or its
-// status has no IPs yet, right after the ADD), keeps ztunnel's proxy (the
-// snapshot names it with Keep) and its probe exemption, since its rules
-// still point at both. Once its netns is found it is restored for real.
+// Invariant 2 (docs/design/invariants.md) across a restart: a pod the previous
+// agent enrolled, whose netns the new one cannot find yet (procfs finds no
+// process of it; or its status has no IPs yet, right after the ADD), keeps
+// ztunnel's proxy (the snapshot names it with Keep) and its probe exemption,
+// since its rules still point at both. Once its netns is found it is restored
+// for real.
 func TestRestartKeepsAnEnrolledPodWhoseNetnsIsNotFound(t *testing.T) {
 	f := newFixture(t)
 	z, _ := f.standin(ztunnel.Config{})
@@ -139,13 +140,13 @@ func TestRestartKeepsAnEnrolledPodWhoseNetnsIsNotFound(t *testing.T) {
 		t.Fatalf("ADD = %q, %v", out, err)
 	}
 	// No process of the pod runs in sb: procfs cannot find its netns.
-	running := f.annotate(f.running(pod, sb), enroll.AnnotationEnabled)
+	running := f.annotate(f.running(pod, sb), enrollment.AnnotationEnabled)
 	fresh, freshSB := f.pod("mesh", "no-ips-yet", nil), f.sandbox()
 	if out, err := f.add(fresh, freshSB, "c2"); out != cnievent.Redirected {
 		t.Fatalf("ADD = %q, %v", out, err)
 	}
 	// The kubelet has not reported its IPs yet.
-	f.annotate(fresh, enroll.AnnotationPending)
+	f.annotate(fresh, enrollment.AnnotationPending)
 
 	f.restart(z)
 	f.checkKept(z, pod, sb)
@@ -184,7 +185,7 @@ func enrolledThenUnlabelled(t *testing.T, annotation string) (*fixture, *ztunnel
 	f := newFixture(t)
 	f.cache.mu.Lock()
 	f.cache.namespaces["leaving"] = &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "leaving",
-		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}}
+		Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}}}
 	f.cache.mu.Unlock()
 	z, _ := f.standin(ztunnel.Config{})
 	pod, sb := f.pod("leaving", "app", nil), f.sandbox()
@@ -207,7 +208,7 @@ func enrolledThenUnlabelled(t *testing.T, annotation string) (*fixture, *ztunnel
 // through procfs), annotation removed, proxy and exemption gone. Left alone,
 // its rules would point at a proxy the new snapshot drops.
 func TestRestartRemovesAPodUnlabelledWhileNoAgentRan(t *testing.T) {
-	f, z, pod, sb := enrolledThenUnlabelled(t, enroll.AnnotationEnabled)
+	f, z, pod, sb := enrolledThenUnlabelled(t, enrollment.AnnotationEnabled)
 	f.restart(z)
 	f.checkReleased(z, pod, sb)
 	f.rec.mu.Lock()
@@ -221,9 +222,10 @@ func TestRestartRemovesAPodUnlabelledWhileNoAgentRan(t *testing.T) {
 	}
 }
 
-// Invariant 1 at restart: a pod the previous agent enrolled whose namespace
-// cannot be known yet is held (ztunnel keeps its proxy) rather than dropped
-// or taken for unenrolled, and restored once the namespace is known.
+// Invariant 1 (docs/design/invariants.md) at restart: a pod the previous agent
+// enrolled whose namespace cannot be known yet is held (ztunnel keeps its
+// proxy) rather than dropped or taken for unenrolled, and restored once the
+// namespace is known.
 func TestRestartHoldsAPodWhoseNamespaceIsUnknown(t *testing.T) {
 	f := newFixture(t)
 	z, _ := f.standin(ztunnel.Config{})
@@ -232,7 +234,7 @@ func TestRestartHoldsAPodWhoseNamespaceIsUnknown(t *testing.T) {
 		t.Fatalf("ADD = %q, %v", out, err)
 	}
 	sb.RunAsPod(t, string(pod.UID))
-	running := f.annotate(f.running(pod, sb), enroll.AnnotationEnabled)
+	running := f.annotate(f.running(pod, sb), enrollment.AnnotationEnabled)
 	f.cache.loseNamespaces(errors.New("namespace watch not synced and the API server unreachable"))
 
 	f.restart(z)
@@ -249,12 +251,12 @@ func TestRestartHoldsAPodWhoseNamespaceIsUnknown(t *testing.T) {
 }
 
 // A pod the previous agent enrolled whose annotation patch never landed (the
-// agent died between its reply and the patch, which DESIGN says must heal)
-// and which is being deleted when the new agent starts: its sandbox still
-// runs (preStop, draining) with the rules in place, so the restart must find
-// it and keep it in ztunnel's snapshot. Skipping it as "after its DEL" would
-// drop its proxy while its rules still point there: its traffic is
-// black-holed for the rest of its grace period.
+// agent died between its reply and the patch, which must heal:
+// docs/design/agent.md, Annotations) and which is being deleted when the new
+// agent starts: its sandbox still runs (preStop, draining) with the rules in
+// place, so the restart must find it and keep it in ztunnel's snapshot.
+// Skipping it as "after its DEL" would drop its proxy while its rules still
+// point there: its traffic is black-holed for the rest of its grace period.
 func TestRestartKeepsATerminatingEnrolledPodWithoutAnnotation(t *testing.T) {
 	f := newFixture(t)
 	z, _ := f.standin(ztunnel.Config{})

@@ -13,6 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/cnievent"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
@@ -101,7 +102,7 @@ type snapshotPods struct{}
 func (snapshotPods) Pod(_ context.Context, namespace, name string) (*corev1.Pod, error) {
 	return &corev1.Pod{ObjectMeta: metav1.ObjectMeta{
 		Namespace: namespace, Name: name, UID: types.UID(name[len("pod-"):]),
-		Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient},
+		Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient},
 	}}, nil
 }
 func (s snapshotPods) Live(ctx context.Context, namespace, name string) (*corev1.Pod, error) {

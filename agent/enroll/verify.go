@@ -12,6 +12,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/zds"
 )
 
@@ -43,17 +44,8 @@ import (
 // the repair holding: the pod ran unredirected for a while, and what broke
 // it may break it again.
 
-// RedirectedCondition is the pod condition (and readiness gate) the agent
-// sets True while a pod's redirection is proven.
-const RedirectedCondition = "inpod.dev/redirected"
-
 // Reasons of the pod condition and the verifier's Events.
 const (
-	ReasonRedirected = "Redirected"
-	// ReasonNotEnrolled: a pod that carries the readiness gate but is not
-	// in the mesh (it left it, or its namespace was unlabelled before it
-	// started); the gate must never hold back a pod outside the mesh.
-	ReasonNotEnrolled = "NotEnrolled"
 	// lossRemovalIncomplete: a removal that failed half-way put the
 	// entry back.
 	lossRemovalIncomplete = "RemovalIncomplete"
@@ -80,7 +72,7 @@ type (
 		// come up yet).
 		Settled() bool
 	}
-	// Conditions converge a pod's RedirectedCondition, off the critical
+	// Conditions converge a pod's enrollment.RedirectedCondition, off the critical
 	// path (podcondition.Writer).
 	Conditions interface {
 		Set(pod types.NamespacedName, uid types.UID, proven bool, reason, message string)
@@ -409,13 +401,13 @@ func (p *Pipeline) settle(pod *corev1.Pod, e *entry, loss, detail string) {
 		if known {
 			p.log.Info("pod's redirection is proven again", "pod", e.pod, "uid", pod.UID)
 		}
-		p.setCondition(pod, true, ReasonRedirected, "redirection rules in place and ztunnel holds the pod")
+		p.setCondition(pod, true, enrollment.ReasonRedirected, "redirection rules in place and ztunnel holds the pod")
 		return
 	}
 	p.setCondition(pod, false, loss, detail)
 }
 
-// conditionIs reports whether the pod (as cached) has RedirectedCondition
+// conditionIs reports whether the pod (as cached) has enrollment.RedirectedCondition
 // with the status proven calls for.
 func conditionIs(pod *corev1.Pod, proven bool) bool {
 	want := corev1.ConditionFalse
@@ -423,7 +415,7 @@ func conditionIs(pod *corev1.Pod, proven bool) bool {
 		want = corev1.ConditionTrue
 	}
 	for _, c := range pod.Status.Conditions {
-		if c.Type == RedirectedCondition {
+		if c.Type == enrollment.RedirectedCondition {
 			return c.Status == want
 		}
 	}
@@ -434,18 +426,10 @@ func conditionIs(pod *corev1.Pod, proven bool) bool {
 // readiness gate reads it: for the others it would be an API write per pod
 // start that nothing waits for.
 func (p *Pipeline) setCondition(pod *corev1.Pod, proven bool, reason, message string) {
-	if p.cfg.Conditions == nil || !HasRedirectedGate(pod) {
+	if p.cfg.Conditions == nil || !enrollment.HasRedirectedGate(pod) {
 		return
 	}
 	p.cfg.Conditions.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, pod.UID, proven, reason, message)
-}
-
-// HasRedirectedGate reports whether the pod's readiness waits for
-// RedirectedCondition.
-func HasRedirectedGate(pod *corev1.Pod) bool {
-	return slices.ContainsFunc(pod.Spec.ReadinessGates, func(g corev1.PodReadinessGate) bool {
-		return g.ConditionType == RedirectedCondition
-	})
 }
 
 // syncProbes makes the node's probe exemptions exactly the enrolled and
@@ -500,10 +484,10 @@ func (p *Pipeline) verifySoon() {
 // caller knows the pod is not enrolled (positive knowledge) and holds its
 // lock.
 func (p *Pipeline) releaseGate(pod *corev1.Pod) {
-	if p.cfg.Conditions == nil || !HasRedirectedGate(pod) || conditionIs(pod, true) {
+	if p.cfg.Conditions == nil || !enrollment.HasRedirectedGate(pod) || conditionIs(pod, true) {
 		return
 	}
-	p.cfg.Conditions.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, pod.UID, true, ReasonNotEnrolled, "the pod is not in the mesh")
+	p.cfg.Conditions.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, pod.UID, true, enrollment.ReasonNotEnrolled, "the pod is not in the mesh")
 }
 
 // ReleaseGates lets every gated pod that is not proven become ready: inpod

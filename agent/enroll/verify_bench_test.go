@@ -23,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/uuid"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/agent/enrolledrecord"
 	"github.com/inpod-dev/inpod/agent/podnetns"
 	"github.com/inpod-dev/inpod/agent/redirect"
@@ -272,7 +273,7 @@ func newVerifyBench(b *testing.B) *verifyBench {
 		b.Fatal(err)
 	}
 	v := &verifyBench{checks: checks, cache: &podCache{pods: map[string]*corev1.Pod{}, api: map[string]*corev1.Pod{}, namespaces: map[string]*corev1.Namespace{
-		"mesh": {ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}}},
+		"mesh": {ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}}},
 	}}}
 	rec := &recorder{annots: map[types.NamespacedName]string{}}
 	// Errors only: the round under measurement must not format log lines

@@ -17,6 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/cnievent"
 	"github.com/inpod-dev/inpod/internal/testkit"
@@ -67,7 +68,7 @@ func (standinListeners) Missing(ns *os.File) ([]uint16, error) {
 // gated gives the pod the readiness gate the admission policy adds.
 func (f *fixture) gated(pod *corev1.Pod) *corev1.Pod {
 	p := pod.DeepCopy()
-	p.Spec.ReadinessGates = []corev1.PodReadinessGate{{ConditionType: enroll.RedirectedCondition}}
+	p.Spec.ReadinessGates = []corev1.PodReadinessGate{{ConditionType: enrollment.RedirectedCondition}}
 	f.cache.mu.Lock()
 	f.cache.pods[p.Namespace+"/"+p.Name] = p
 	f.cache.mu.Unlock()
@@ -130,7 +131,7 @@ func TestVerifierRepairsRulesFlushedInThePod(t *testing.T) {
 		t.Fatal("a repair asked for no verification soon")
 	}
 	f.verifyAll()
-	if c, _ := f.conds.of(pod.UID); !c.proven || c.reason != enroll.ReasonRedirected {
+	if c, _ := f.conds.of(pod.UID); !c.proven || c.reason != enrollment.ReasonRedirected {
 		t.Fatalf("condition after the repair held = %+v; want proven", c)
 	}
 }
@@ -225,7 +226,7 @@ func TestHeldPodsOldExemptionGoesWithItsNewSandbox(t *testing.T) {
 	if err := f.probes.Add(old.ip); err != nil {
 		t.Fatal(err)
 	}
-	f.annotate(f.running(pod, old), enroll.AnnotationEnabled)
+	f.annotate(f.running(pod, old), enrollment.AnnotationEnabled)
 	f.restart(z)
 	if !f.exempted(old.ip) {
 		t.Fatal("the held pod lost its exemption at the restart (setup)")
@@ -251,7 +252,7 @@ func TestReconcileFailureAfterTheRulesKeepsThePodRemovable(t *testing.T) {
 	pod, sb := f.pod("plain", "late", nil), f.sandbox()
 	sb.RunAsPod(t, string(pod.UID))
 	pod = f.running(pod, sb)
-	pod.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}
+	pod.Labels = map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}
 	f.probes.failAdd.Store(true)
 	if err := f.p.Reconcile(context.Background(), pod); err == nil {
 		t.Fatal("a reconcile whose probe exemption failed reported success")
@@ -311,8 +312,8 @@ func TestGateOfAPodOutsideTheMeshIsReleased(t *testing.T) {
 	if err := f.p.Reconcile(context.Background(), pod); err != nil {
 		t.Fatal(err)
 	}
-	if c, ok := f.conds.of(pod.UID); !ok || !c.proven || c.reason != enroll.ReasonNotEnrolled {
-		t.Fatalf("condition of a gated pod outside the mesh = %+v (%v); want True/%s", c, ok, enroll.ReasonNotEnrolled)
+	if c, ok := f.conds.of(pod.UID); !ok || !c.proven || c.reason != enrollment.ReasonNotEnrolled {
+		t.Fatalf("condition of a gated pod outside the mesh = %+v (%v); want True/%s", c, ok, enrollment.ReasonNotEnrolled)
 	}
 }
 
@@ -354,7 +355,7 @@ func (f *fixture) labelNamespace(name string, ambient bool) {
 	ns := f.cache.namespaces[name].DeepCopy()
 	ns.Labels = nil
 	if ambient {
-		ns.Labels = map[string]string{enroll.DataplaneModeLabel: enroll.DataplaneAmbient}
+		ns.Labels = map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}
 	}
 	f.cache.namespaces[name] = ns
 }
@@ -540,12 +541,12 @@ func TestGateIsReleasedOnlyForAPodThatRunsOn(t *testing.T) {
 	}
 	testkit.Eventually(t, waitFor, "the condition True/Redirected", func() bool {
 		c, ok := f.conds.of(pod.UID)
-		return ok && c.proven && c.reason == enroll.ReasonRedirected
+		return ok && c.proven && c.reason == enrollment.ReasonRedirected
 	})
 	if out, err := f.p.Del(context.Background(), request(cnievent.Del, pod, sb, "c1")); out != cnievent.Redirected || err != nil {
 		t.Fatalf("DEL = %q, %v", out, err)
 	}
-	if c, _ := f.conds.of(pod.UID); c.reason == enroll.ReasonNotEnrolled {
+	if c, _ := f.conds.of(pod.UID); c.reason == enrollment.ReasonNotEnrolled {
 		t.Fatal("a deleted sandbox's pod was written NotEnrolled: one more API write per pod deletion")
 	}
 
@@ -556,12 +557,12 @@ func TestGateIsReleasedOnlyForAPodThatRunsOn(t *testing.T) {
 		t.Fatalf("ADD = %q, %v", out, err)
 	}
 	out := f.running(other, osb)
-	out.Labels = map[string]string{enroll.DataplaneModeLabel: "none"}
+	out.Labels = map[string]string{enrollment.DataplaneModeLabel: "none"}
 	out.Spec.ReadinessGates = other.Spec.ReadinessGates
 	if err := f.p.Reconcile(context.Background(), out); err != nil {
 		t.Fatal(err)
 	}
-	if c, ok := f.conds.of(other.UID); !ok || !c.proven || c.reason != enroll.ReasonNotEnrolled {
-		t.Fatalf("condition of a pod labelled out while it runs = %+v (%v); want True/%s", c, ok, enroll.ReasonNotEnrolled)
+	if c, ok := f.conds.of(other.UID); !ok || !c.proven || c.reason != enrollment.ReasonNotEnrolled {
+		t.Fatalf("condition of a pod labelled out while it runs = %+v (%v); want True/%s", c, ok, enrollment.ReasonNotEnrolled)
 	}
 }

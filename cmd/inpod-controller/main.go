@@ -23,7 +23,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/envflag"
 	"github.com/inpod-dev/inpod/requestwebhook"
 	"github.com/inpod-dev/inpod/taintcontroller"
@@ -75,7 +75,7 @@ func define(fs *flag.FlagSet) *options {
 	o.resourceName = fs.String("resource-name", requestwebhook.DefaultResourceName, "webhook: the extended resource enrolled pods request (the agent's --resource-name)")
 	o.resourceRequest = fs.Bool("resource-request", true, "webhook: add the resource request to enrolled pods (false with a gate that advertises no resource, where a request would hold every enrolled pod Pending)")
 	fs.BoolVar(&wh.ReadinessGate, "readiness-gate", false, "webhook: add the readiness gate "+string(requestwebhook.ReadinessGate)+" to enrolled pods, so a Service sends them traffic only once the agent has proven their redirection (the agent sets that condition)")
-	fs.StringVar(&wh.Policy.Label, "enrollment-label", enroll.DataplaneModeLabel, "webhook: pod and namespace label whose value ambient enrolls and none opts out (the agent's --enrollment-label)")
+	fs.StringVar(&wh.Policy.Label, "enrollment-label", enrollment.DataplaneModeLabel, "webhook: pod and namespace label whose value ambient enrolls and none opts out (the agent's --enrollment-label)")
 	o.excludeNamespaces = fs.String("exclude-namespaces", "kube-system", "webhook: comma-separated namespaces never enrolled (the agent's --exclude-namespaces)")
 	fs.StringVar(&wh.OwnNamespace, "own-namespace", taintcontroller.DefaultNamespace, "webhook: inpod's namespace, the only one where the label app.kubernetes.io/part-of=inpod exempts a pod from the request")
 	return o

@@ -6,14 +6,14 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 )
 
 // The table's idea of who is enrolled is the agent's: admission gates
 // exactly the pods the agent will redirect (a pod it enrolls without the
 // gate could start unredirected; one gated but not enrolled would wait).
 func TestEnrolledIsTheAgents(t *testing.T) {
-	policy := enroll.Policy{ExcludedNamespaces: []string{Excluded}, Label: Label}
+	policy := enrollment.Policy{ExcludedNamespaces: []string{Excluded}, Label: Label}
 	nss := map[string]*corev1.Namespace{}
 	for _, ns := range Namespaces() {
 		nss[ns.Name] = ns

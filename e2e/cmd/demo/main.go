@@ -23,7 +23,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
-	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/e2e/chart"
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/envflag"
@@ -132,7 +132,7 @@ func (d *demo) up(ctx context.Context) error {
 	alloc, capa := d.resource(ctx, nodeName)
 	d.say("agent running: installed inpod-cni, registered %s (capacity %d, allocatable %d: no ztunnel yet, the gate is closed)", resource, capa, alloc)
 
-	for name, labels := range map[string]map[string]string{"demo-mesh": {enroll.DataplaneModeLabel: enroll.DataplaneAmbient}, "demo-plain": nil} {
+	for name, labels := range map[string]map[string]string{"demo-mesh": {enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}, "demo-plain": nil} {
 		ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}
 		if _, err := d.client.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 			return err
@@ -158,7 +158,7 @@ func (d *demo) up(ctx context.Context) error {
 	if req.Value() != 1 {
 		return fmt.Errorf("the enrolled pod was created without %s: the MutatingAdmissionPolicy did not add it", resource)
 	}
-	d.say("created demo-mesh/app (namespace labelled %s=ambient; its manifest requests nothing): the admission policy added %s: 1", enroll.DataplaneModeLabel, resource)
+	d.say("created demo-mesh/app (namespace labelled %s=ambient; its manifest requests nothing): the admission policy added %s: 1", enrollment.DataplaneModeLabel, resource)
 	var why string
 	if err := d.wait(time.Minute, "the enrolled pod Pending as unschedulable", func() (bool, error) {
 		p, err := d.client.CoreV1().Pods("demo-mesh").Get(ctx, "app", metav1.GetOptions{})
@@ -200,15 +200,15 @@ func (d *demo) up(ctx context.Context) error {
 		if err != nil {
 			return false, err
 		}
-		ann = p.Annotations[enroll.RedirectionAnnotation]
+		ann = p.Annotations[enrollment.RedirectionAnnotation]
 		return p.Status.Phase == corev1.PodRunning, nil
 	}); err != nil {
 		return fmt.Errorf("%w\n%s", err, d.agentLogs(ctx))
 	}
 	if ann != "enabled" {
-		return fmt.Errorf("demo-mesh/app runs with %s=%q, want enabled", enroll.RedirectionAnnotation, ann)
+		return fmt.Errorf("demo-mesh/app runs with %s=%q, want enabled", enrollment.RedirectionAnnotation, ann)
 	}
-	d.say("demo-mesh/app is Running with %s: %s", enroll.RedirectionAnnotation, ann)
+	d.say("demo-mesh/app is Running with %s: %s", enrollment.RedirectionAnnotation, ann)
 
 	reply, err := d.logs(ctx, "demo-mesh", "app", "connect")
 	if err != nil {
@@ -228,7 +228,7 @@ func (d *demo) up(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if _, has := w.Annotations[enroll.RedirectionAnnotation]; has || strings.Contains(webLog, "connection from") || len(w.Spec.Containers[0].Resources.Limits) != 0 {
+	if _, has := w.Annotations[enrollment.RedirectionAnnotation]; has || strings.Contains(webLog, "connection from") || len(w.Spec.Containers[0].Resources.Limits) != 0 {
 		return fmt.Errorf("demo-plain/web was touched: annotations %v, limits %v, log %q", w.Annotations, w.Spec.Containers[0].Resources.Limits, webLog)
 	}
 	d.say("demo-plain/web is untouched: no resource request, no annotation, and it never saw that connection (the stand-in took it)")

@@ -1,8 +1,12 @@
-// Package enroll decides which pods are in the mesh and carries each
-// enrolled pod through its life: redirect on the CNI event, hand its netns
-// to ztunnel, follow label changes and deletion, and restore everything
-// after an agent restart without touching running traffic.
-package enroll
+// Package enrollment is who is in the mesh, in Istio's names: the
+// enrollment label and its values, the annotation the agent writes on an
+// enrolled pod, and the pod condition (and readiness gate) that says its
+// redirection is proven. The agent, the resource-request webhook, the
+// controller and the admission-policy tests share these rules, so the pods
+// the policies guard are exactly the pods the agent enrolls; none of them
+// imports the agent for it. A leaf: it imports only the Kubernetes API
+// types.
+package enrollment
 
 import (
 	"slices"
@@ -61,4 +65,25 @@ func (p Policy) label() string {
 		return DataplaneModeLabel
 	}
 	return p.Label
+}
+
+// RedirectedCondition is the pod condition (and readiness gate) the agent
+// sets True while a pod's redirection is proven.
+const RedirectedCondition = "inpod.dev/redirected"
+
+// Reasons of RedirectedCondition: proven, and not in the mesh.
+const (
+	ReasonRedirected = "Redirected"
+	// ReasonNotEnrolled: a pod that carries the readiness gate but is not
+	// in the mesh (it left it, or its namespace was unlabelled before it
+	// started); the gate must never hold back a pod outside the mesh.
+	ReasonNotEnrolled = "NotEnrolled"
+)
+
+// HasRedirectedGate reports whether the pod's readiness waits for
+// RedirectedCondition.
+func HasRedirectedGate(pod *corev1.Pod) bool {
+	return slices.ContainsFunc(pod.Spec.ReadinessGates, func(g corev1.PodReadinessGate) bool {
+		return g.ConditionType == RedirectedCondition
+	})
 }

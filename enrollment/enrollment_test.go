@@ -1,4 +1,4 @@
-package enroll
+package enrollment
 
 import (
 	"testing"
