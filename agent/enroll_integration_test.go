@@ -27,8 +27,8 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/inpod-dev/inpod/agent"
-	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/e2e/cluster"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/netns"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )

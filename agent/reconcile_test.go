@@ -18,8 +18,8 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
-	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	"github.com/inpod-dev/inpod/zds"
 )

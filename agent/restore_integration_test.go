@@ -16,8 +16,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/enrollment"
 )
 
 // newRestoreWorld is a world with an enrolled namespace "leaving" (the

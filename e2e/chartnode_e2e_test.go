@@ -15,11 +15,11 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/e2e/chart"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/e2e/images"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
 

@@ -12,8 +12,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/e2e/images"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
 

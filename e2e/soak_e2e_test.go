@@ -27,9 +27,9 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/inpod-dev/inpod/agent"
-	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/e2e/chart"
 	"github.com/inpod-dev/inpod/e2e/images"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )

@@ -24,12 +24,12 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
-	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/e2e/chart"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/e2e/images"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/benchreport"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/taintcontroller"

@@ -18,10 +18,10 @@ import (
 
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/agent/enroll"
-	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/e2e/images"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )

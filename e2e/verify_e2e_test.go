@@ -24,8 +24,8 @@ import (
 
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/agent/enroll"
-	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/netns"
 )
 

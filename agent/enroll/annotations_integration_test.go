@@ -12,9 +12,9 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
+	"github.com/inpod-dev/inpod/enrollment"
 )
 
 func createPod(t *testing.T, c kubernetes.Interface, name types.NamespacedName) *corev1.Pod {

@@ -23,11 +23,11 @@ import (
 	"k8s.io/apimachinery/pkg/util/uuid"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
-	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/agent/enrolledrecord"
 	"github.com/inpod-dev/inpod/agent/podnetns"
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"

@@ -15,9 +15,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )

@@ -13,8 +13,8 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
-	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"

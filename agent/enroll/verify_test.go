@@ -17,9 +17,9 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
-	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/agent/redirect"
 	"github.com/inpod-dev/inpod/cnievent"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
