@@ -70,12 +70,13 @@ check-chart: deps ## [check] helm lint/template per gate value; the chart README
 	@hack/chart-check.sh
 	@hack/manifests.sh --check
 
-lint: deps ## [check] gofmt, go vet, staticcheck, golangci-lint (import rules, misspell, goimports)
+lint: deps ## [check] gofmt, go vet, staticcheck, golangci-lint (import rules, misspell, goimports), links in the docs
 	@fmt=$$(git ls-files -co --exclude-standard '*.go' | xargs -r gofmt -l); \
 	  if [ -n "$$fmt" ]; then echo "gofmt would change:"; echo "$$fmt"; exit 1; fi
 	$(GO) vet ./...
 	staticcheck ./...
 	golangci-lint run ./...
+	@python3 hack/check-links.py .
 
 # Every tier, fastest first, so a failure shows in minutes: lint and
 # check-generated, then unit, then integration, then e2e; each step is its

@@ -17,6 +17,7 @@ declare -A pkgs=(
   [protoc]=protobuf-compiler
   [containerd]=containerd
   [runc]=runc
+  [python3]=python3
 )
 missing=()
 for cmd in "${!pkgs[@]}"; do
