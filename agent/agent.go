@@ -277,11 +277,14 @@ func (a *Agent) Run(ctx context.Context) error {
 		// annotations wait for its ADDs) is written now, briefly: the next
 		// agent re-asserts any that do not make it.
 		flushCtx, cancelFlush := context.WithTimeout(context.WithoutCancel(ctx), annotationFlushTimeout)
-		if err := p.annotations.Flush(flushCtx); err != nil {
-			a.log.Warn("some pods' redirection annotations not written at shutdown; the next agent writes them", "err", err)
-		}
+		// Conditions first: a pod's Ready waits on them, and the kubelet
+		// must see a condition before the annotation (see
+		// AnnotationWriter.WriteAfter).
 		if err := p.conditions.Flush(flushCtx); err != nil {
 			a.log.Warn("some pods' inpod.dev/redirected conditions not written at shutdown; the next agent writes them", "err", err)
+		}
+		if err := p.annotations.Flush(flushCtx); err != nil {
+			a.log.Warn("some pods' redirection annotations not written at shutdown; the next agent writes them", "err", err)
 		}
 		cancelFlush()
 		a.log.Info("agent stopping; rules, ztunnel's proxies and the CNI plugin stay in place")

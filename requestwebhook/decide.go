@@ -23,9 +23,9 @@ const (
 const MirrorAnnotation = "kubernetes.io/config.mirror"
 
 // ReadinessGate is the condition type of the readiness gate the webhook
-// adds with Config.ReadinessGate (DESIGN.md, "per-pod proof"): the agent
+// adds with Config.ReadinessGate (docs/design/verification.md): the agent
 // sets it True once the pod's redirection is proven.
-const ReadinessGate corev1.PodConditionType = "inpod.dev/redirected"
+const ReadinessGate corev1.PodConditionType = enrollment.RedirectedCondition
 
 // rules is the decision, apart from how the namespace is found.
 type rules struct {

@@ -94,7 +94,12 @@ func (w *AnnotationWriter) WriteAfter(first PendingWrites) {
 // heldForFirst says whether the pod's annotation waits for first's write;
 // if so it is queued again.
 func (w *AnnotationWriter) heldForFirst(pod annotatedPod) bool {
-	if w.first == nil || !w.first.PendingFor(pod.NamespacedName, pod.UID) {
+	// Only "enabled" waits: a removal tells Istio's peers to stop sending
+	// the pod HBONE, and nothing waits on its order.
+	w.mu.Lock()
+	enabling := w.want[pod] == enrollment.AnnotationEnabled
+	w.mu.Unlock()
+	if !enabling || w.first == nil || !w.first.PendingFor(pod.NamespacedName, pod.UID) {
 		delete(w.heldSince, pod)
 		return false
 	}

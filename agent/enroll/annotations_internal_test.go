@@ -392,3 +392,26 @@ func TestAnnotationWriterWritesAfterThePendingCondition(t *testing.T) {
 		})
 	}
 }
+
+// A removal is not held behind the condition: it tells Istio's peers to
+// stop sending the pod HBONE, and the kubelet waits on nothing in it.
+func TestAnnotationWriterDoesNotHoldARemoval(t *testing.T) {
+	client := fake.NewClientset(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "a", UID: uidOf("a"),
+		Annotations: map[string]string{enrollment.RedirectionAnnotation: enrollment.AnnotationEnabled}}})
+	w := NewAnnotationWriter(client, nil, slog.New(slog.DiscardHandler))
+	first := &pendingFirst{pending: true}
+	w.WriteAfter(first)
+	w.Set(types.NamespacedName{Namespace: "mesh", Name: "a"}, uidOf("a"), "")
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); w.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	testkit.Eventually(t, 10*time.Second, "the removal written", func() bool {
+		pod, err := client.CoreV1().Pods("mesh").Get(ctx, "a", metav1.GetOptions{})
+		_, annotated := pod.Annotations[enrollment.RedirectionAnnotation]
+		return err == nil && !annotated
+	})
+	if n := first.asked(); n != 0 {
+		t.Fatalf("the removal waited on the condition writer (asked %d times)", n)
+	}
+}

@@ -36,11 +36,13 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/util/workqueue"
+
+	"github.com/inpod-dev/inpod/enrollment"
 )
 
 // ConditionType is the pod condition, and the readiness gate's
-// conditionType (DESIGN.md, "per-pod proof").
-const ConditionType corev1.PodConditionType = "inpod.dev/redirected"
+// conditionType (docs/design/verification.md).
+const ConditionType corev1.PodConditionType = enrollment.RedirectedCondition
 
 // Defaults.
 const (

@@ -14,6 +14,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/inpod-dev/inpod/enrollment"
 )
 
 // ResourceName and Label are the chart's defaults; ReadinessGate is the
@@ -21,7 +23,7 @@ import (
 const (
 	ResourceName  = corev1.ResourceName("inpod.dev/redirection")
 	Label         = "istio.io/dataplane-mode"
-	ReadinessGate = corev1.PodConditionType("inpod.dev/redirected")
+	ReadinessGate = corev1.PodConditionType(enrollment.RedirectedCondition)
 )
 
 // OtherGate is a readiness gate of someone else's (a load balancer
