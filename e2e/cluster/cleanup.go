@@ -112,7 +112,7 @@ func (n *Node) cleanDevicePluginDir() {
 	}
 	entries, _ := os.ReadDir(hostDevicePluginDir)
 	for _, e := range entries {
-		if e.Type()&os.ModeSocket != 0 {
+		if e.Type()&os.ModeSocket != 0 || e.Name() == kubeletDeviceCheckpoint {
 			os.Remove(filepath.Join(hostDevicePluginDir, e.Name()))
 		}
 	}

@@ -3,7 +3,9 @@ package cluster
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"os"
 	"os/exec"
@@ -181,6 +183,16 @@ func (n *Node) start(ctx context.Context) error {
 			return err
 		}
 	}
+	// A new node inherits no device-plugin state: the kubelet's checkpoint
+	// in the fixed host dir outlives any node (a killed run, or one whose
+	// /var/lib/kubelet was there before it), and a resource registered in
+	// it with no plugin serving makes the kubelet refuse every container
+	// that requests it ("endpoint not found in cache for a registered
+	// resource") for its first minutes: a DRA-backed inpod.dev/redirection
+	// after a device-plugin node did exactly that.
+	if err := os.Remove(filepath.Join(hostDevicePluginDir, kubeletDeviceCheckpoint)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("cluster: remove the kubelet's device-plugin checkpoint: %w", err)
+	}
 	if err := n.startKubelet(ports[2], ports[3]); err != nil {
 		return err
 	}
@@ -355,6 +367,10 @@ func (n *Node) RestartKubelet(ctx context.Context) error {
 
 // hostDevicePluginDir is fixed in the kubelet, whatever its --root-dir.
 const hostDevicePluginDir = "/var/lib/kubelet/device-plugins"
+
+// kubeletDeviceCheckpoint is the kubelet device manager's record of the
+// registered resources and their allocations, in hostDevicePluginDir.
+const kubeletDeviceCheckpoint = "kubelet_internal_checkpoint"
 
 // DevicePluginDir is where the kubelet expects device plugin sockets.
 func (n *Node) DevicePluginDir() string { return hostDevicePluginDir }
