@@ -642,26 +642,15 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, fun
 
 // followZtunnel turns the ZDS server's state into the readiness condition.
 func (a *Agent) followZtunnel(ctx context.Context, p *pieces) {
-	states, stop := p.zds.Subscribe()
-	defer stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case st := <-states:
-			a.Metrics.ZtunnelConnections(st.Connections)
-			reason := ""
-			if !st.Ready {
-				reason = fmt.Sprintf("no ztunnel has acknowledged a snapshot (%d connections)", st.Connections)
-			}
-			a.Ready.Set(readiness.ZtunnelConnected, st.Ready, reason)
-			if p.presence.observe(st) {
-				// A ztunnel that (re)connected got a snapshot;
-				// whether each pod's proxy is up is for the verifier.
-				p.verifier.trigger()
-			}
+	p.zds.Follow(ctx, func(st zds.State) {
+		a.Metrics.ZtunnelConnections(st.Connections)
+		a.Ready.Set(readiness.ZtunnelConnected, st.Ready, st.NotReadyReason())
+		if p.presence.observe(st) {
+			// A ztunnel that (re)connected got a snapshot; whether
+			// each pod's proxy is up is for the verifier.
+			p.verifier.trigger()
 		}
-	}
+	})
 }
 
 // Pipeline exposes the enrolled-pod table (for tests and the gates).

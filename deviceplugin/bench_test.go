@@ -14,13 +14,8 @@ import (
 	"github.com/inpod-dev/inpod/deviceplugin/kubelettest"
 	"github.com/inpod-dev/inpod/internal/benchreport"
 	"github.com/inpod-dev/inpod/readiness"
-	"github.com/inpod-dev/inpod/zds"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
-
-type emptySource struct{}
-
-func (emptySource) Snapshot(context.Context) ([]zds.Workload, error) { return nil, nil }
 
 // waitReceived waits for the kubelet stand-in to receive, at or after since,
 // an update with allocatable devices; the time measured ends when it
@@ -64,26 +59,7 @@ func BenchmarkGateFlip(b *testing.B) {
 	defer cancel()
 
 	ready := readiness.New(log, readiness.CNIInstalled, readiness.ZtunnelConnected)
-	srv, err := zds.NewServer(zds.Config{SocketPath: filepath.Join(dir, "zt.sock"), Source: emptySource{}, Logger: log})
-	if err != nil {
-		b.Fatal(err)
-	}
-	if err := srv.Listen(); err != nil {
-		b.Fatal(err)
-	}
-	go srv.Serve(ctx)
-	go func() {
-		states, stop := srv.Subscribe()
-		defer stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case st := <-states:
-				ready.Set(readiness.ZtunnelConnected, st.Ready, "")
-			}
-		}
-	}()
+	ztunnel.ServeNoPods(b, filepath.Join(dir, "zt.sock"), ready, log)
 
 	confDir := filepath.Join(dir, "net.d")
 	os.MkdirAll(confDir, 0o755)

@@ -21,13 +21,8 @@ import (
 	"github.com/inpod-dev/inpod/internal/benchreport"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/readiness"
-	"github.com/inpod-dev/inpod/zds"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
-
-type emptySource struct{}
-
-func (emptySource) Snapshot(context.Context) ([]zds.Workload, error) { return nil, nil }
 
 // BenchmarkIntegrationDRAGateFlip measures what the scheduler waits for in
 // DRA mode: from ztunnel disconnecting (and reconnecting) to the node's
@@ -52,26 +47,7 @@ func BenchmarkIntegrationDRAGateFlip(b *testing.B) {
 	dir := testkit.ShortTempDir(b, "drab-")
 
 	ready := readiness.New(log, readiness.ZtunnelConnected)
-	srv, err := zds.NewServer(zds.Config{SocketPath: filepath.Join(dir, "zt.sock"), Source: emptySource{}, Logger: log})
-	if err != nil {
-		b.Fatal(err)
-	}
-	if err := srv.Listen(); err != nil {
-		b.Fatal(err)
-	}
-	go srv.Serve(ctx)
-	go func() {
-		states, stop := srv.Subscribe()
-		defer stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case st := <-states:
-				ready.Set(readiness.ZtunnelConnected, st.Ready, "")
-			}
-		}
-	}()
+	ztunnel.ServeNoPods(b, filepath.Join(dir, "zt.sock"), ready, log)
 	// The gate's own client, as in the agent: its rate limiter is not the
 	// test's.
 	gateClient, err := kubernetes.NewForConfig(rest.CopyConfig(cp.Rest))

@@ -78,10 +78,6 @@ const (
 	// DefaultPluginDir is where the plugin's socket and its record of
 	// prepared claims live: /var/lib/kubelet/plugins/<driver>.
 	DefaultPluginDir = kubeletplugin.KubeletPluginsDir + "/" + DefaultDriverName
-	// DefaultStartupGrace is how long a restarted agent waits for its
-	// first ready verdict before it taints a slice that a previous agent
-	// left untainted (ztunnel reconnects within seconds).
-	DefaultStartupGrace = 15 * time.Second
 	// TaintKeyPrefix starts every taint key; the rest names the condition.
 	TaintKeyPrefix = "redirection.inpod.dev/"
 	// checkpointFile, in the plugin dir, records the prepared claims.
@@ -146,7 +142,10 @@ type Config struct {
 	// plugin's own directory (socket, checkpoint). Both must be the same
 	// paths inside and outside the agent's container.
 	RegistrarDir, PluginDir string
-	// StartupGrace: see DefaultStartupGrace; negative means none.
+	// StartupGrace: how long a restarted agent waits for its first ready
+	// verdict before it taints a slice that a previous agent left
+	// untainted (readiness.StartupHold); 0 means
+	// readiness.DefaultStartupGrace, negative none.
 	StartupGrace time.Duration
 	Observer     Observer
 	Logger       *slog.Logger
@@ -197,7 +196,7 @@ func New(cfg Config) (*Driver, error) {
 		cfg.PluginDir = filepath.Join(kubeletplugin.KubeletPluginsDir, cfg.DriverName)
 	}
 	if cfg.StartupGrace == 0 {
-		cfg.StartupGrace = DefaultStartupGrace
+		cfg.StartupGrace = readiness.DefaultStartupGrace
 	}
 	if cfg.Observer == nil {
 		cfg.Observer = nopObserver{}
@@ -269,16 +268,12 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 
 	// Publish nothing until the first verdict of this agent: a slice a
 	// previous agent left is not re-tainted by this one's first moments.
-	holding := existing > 0 && d.cfg.StartupGrace > 0
-	var graceC, retryC, wipeC <-chan time.Time
-	wipeChecks := 0
-	if holding {
-		t := time.NewTimer(d.cfg.StartupGrace)
-		defer t.Stop()
-		graceC = t.C
-	}
+	hold := readiness.HoldStartup(d.cfg.StartupGrace, existing > 0)
+	defer hold.Stop()
 	var (
-		last readiness.State
+		retryC, wipeC <-chan time.Time
+		wipeChecks    int
+		last          readiness.State
 		// known: last holds a state from the aggregate (it sends one at
 		// once), so a wipe or a retry never publishes a made-up one.
 		known bool
@@ -292,23 +287,20 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		case st := <-states:
 			last, known = st, true
 			d.setReady(st)
-			if holding && !st.Ready {
+			if !hold.Observe(st) {
 				continue
 			}
-			holding, graceC = false, nil
-		case <-graceC:
-			graceC = nil
-			if !holding {
+		case <-hold.Expired():
+			if !hold.Expire() {
 				continue
 			}
-			holding = false
 			d.log.Warn("no ready verdict within the startup grace; publishing the not-ready state", "grace", d.cfg.StartupGrace, "failing", last.Failing)
 		case <-d.wiped:
 			// The helper would look again only after its 30 s sync
 			// delay; handing it the pool makes it sync now, and again
 			// until the slice is back: the helper's own watch may see
 			// the deletion after ours, and a sync before that is a no-op.
-			if holding || !known {
+			if hold.Holding() || !known {
 				continue
 			}
 			wipeC, wipeChecks = time.After(wipeRecheck), 0
@@ -324,7 +316,7 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 			// A failed write: the helper retries with a backoff that
 			// grows to minutes; handing it the pool again makes it sync
 			// at once, so the slice converges soon after an API outage.
-			if retryC == nil && !holding && known {
+			if retryC == nil && !hold.Holding() && known {
 				retryC = time.After(RetryInterval)
 			}
 			continue

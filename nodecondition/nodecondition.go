@@ -97,10 +97,6 @@ type Observer interface {
 const (
 	DefaultMinBackoff = 200 * time.Millisecond
 	DefaultMaxBackoff = 10 * time.Second
-	// DefaultStartupGrace is how long a restarted agent that finds the
-	// condition True waits for its first ready verdict before it writes
-	// False (ztunnel reconnects within seconds).
-	DefaultStartupGrace = 15 * time.Second
 	// attemptTimeout bounds one read-and-patch, so a hung connection
 	// cannot hold back a newer state.
 	attemptTimeout = 10 * time.Second
@@ -113,7 +109,10 @@ type Config struct {
 	// MinBackoff and MaxBackoff bound the wait between failed attempts
 	// (doubling from min to max).
 	MinBackoff, MaxBackoff time.Duration
-	// StartupGrace: see DefaultStartupGrace; negative means none.
+	// StartupGrace: how long a restarted agent that finds the condition
+	// True waits for its first ready verdict before it writes False
+	// (readiness.StartupHold); 0 means readiness.DefaultStartupGrace,
+	// negative none.
 	StartupGrace time.Duration
 	Observer     Observer
 	Logger       *slog.Logger
@@ -141,7 +140,7 @@ func New(cfg Config) (*Gate, error) {
 		cfg.MaxBackoff = max(DefaultMaxBackoff, cfg.MinBackoff)
 	}
 	if cfg.StartupGrace == 0 {
-		cfg.StartupGrace = DefaultStartupGrace
+		cfg.StartupGrace = readiness.DefaultStartupGrace
 	}
 	if cfg.Observer == nil {
 		cfg.Observer = nopObserver{}
@@ -194,18 +193,15 @@ func (g *Gate) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		pending bool // want is not known to be on the Node
 		backoff time.Duration
 		retry   <-chan time.Time
-		graceC  <-chan time.Time
 		// Restores of the condition that follow each other closely back
 		// off, so a second writer that disagrees (another agent on the
 		// node) cannot turn the watch into a write loop.
 		restoreBackoff time.Duration
 		lastRestore    time.Time
 	)
-	holding := g.cfg.StartupGrace > 0 && g.conditionTrue(ctx)
-	if holding {
-		t := time.NewTimer(g.cfg.StartupGrace)
-		defer t.Stop()
-		graceC = t.C
+	hold := readiness.HoldStartup(g.cfg.StartupGrace, g.cfg.StartupGrace > 0 && g.conditionTrue(ctx))
+	defer hold.Stop()
+	if hold.Holding() {
 		g.log.Info(holdingMsg, "grace", g.cfg.StartupGrace)
 	}
 	for {
@@ -214,11 +210,11 @@ func (g *Gate) Run(ctx context.Context, ready *readiness.Aggregate) error {
 			return nil
 		case st := <-states:
 			want, pending = For(st), true
-			if holding {
-				if !st.Ready {
-					continue
-				}
-				holding, graceC = false, nil
+			wasHolding := hold.Holding()
+			if !hold.Observe(st) {
+				continue
+			}
+			if wasHolding {
 				g.log.Info(readyInGraceMsg)
 			}
 			if retry != nil {
@@ -227,7 +223,7 @@ func (g *Gate) Run(ctx context.Context, ready *readiness.Aggregate) error {
 				continue
 			}
 		case <-nodeChanged:
-			if holding || pending || want.Status == "" || g.onNode(nodes, want) {
+			if hold.Holding() || pending || want.Status == "" || g.onNode(nodes, want) {
 				continue
 			}
 			pending = true
@@ -243,9 +239,8 @@ func (g *Gate) Run(ctx context.Context, ready *readiness.Aggregate) error {
 				retry = time.After(restoreBackoff)
 				continue
 			}
-		case <-graceC:
-			holding, graceC = false, nil
-			if pending {
+		case <-hold.Expired():
+			if hold.Expire() && pending {
 				g.log.Warn("no ready verdict within the startup grace; writing the not-ready state", "grace", g.cfg.StartupGrace, "reason", want.Reason)
 			}
 		case <-retry:

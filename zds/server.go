@@ -90,6 +90,15 @@ type State struct {
 	Ready bool
 }
 
+// NotReadyReason says why the state is not ready, for a readiness
+// condition; "" when ready.
+func (st State) NotReadyReason() string {
+	if st.Ready {
+		return ""
+	}
+	return fmt.Sprintf("no ztunnel has acknowledged a snapshot (%d connections)", st.Connections)
+}
+
 // Config configures a Server. Zero durations take the defaults.
 type Config struct {
 	SocketPath string
@@ -141,8 +150,9 @@ type Server struct {
 	cfg Config
 	log *slog.Logger
 
+	sock *unixsock.Socket
+
 	mu        sync.Mutex
-	listener  *net.UnixListener
 	conns     []*conn // in connect order; the last is the newest
 	nextID    uint64
 	published State
@@ -167,25 +177,22 @@ func NewServer(cfg Config) (*Server, error) {
 	if log == nil {
 		log = slog.Default()
 	}
+	log = log.With("component", "zds")
 	return &Server{
 		cfg:    cfg,
-		log:    log.With("component", "zds"),
+		log:    log,
+		sock:   unixsock.NewSocket("unixpacket", cfg.SocketPath, log, "listening for ztunnel"),
 		states: latest.New(State{}),
 	}, nil
 }
 
 // Listen creates the socket: the directory root-only (0700), a stale socket
 // from a dead agent removed, the socket itself 0600. It refuses to take over
-// a socket another live process is serving.
+// a socket another live process is serving. Serve listens when nobody did.
 func (s *Server) Listen() error {
-	ln, err := unixsock.Listen("unixpacket", s.cfg.SocketPath)
-	if err != nil {
+	if err := s.sock.Listen(); err != nil {
 		return fmt.Errorf("zds: %w", err)
 	}
-	s.mu.Lock()
-	s.listener = ln
-	s.mu.Unlock()
-	s.log.Info("listening for ztunnel", "socket", s.cfg.SocketPath)
 	return nil
 }
 
@@ -193,22 +200,11 @@ func (s *Server) Listen() error {
 // Closing a connection leaves ztunnel's proxies running: it reconnects and
 // receives a fresh snapshot.
 func (s *Server) Serve(ctx context.Context) error {
-	s.mu.Lock()
-	ln := s.listener
-	s.mu.Unlock()
-	if ln == nil {
-		if err := s.Listen(); err != nil {
-			return err
-		}
-		s.mu.Lock()
-		ln = s.listener
-		s.mu.Unlock()
-	}
 	// Connections close as soon as ctx ends, so handlers mid-request return
 	// promptly and Serve can wait for them.
 	stop := context.AfterFunc(ctx, s.closeAll)
 	defer stop()
-	if err := unixsock.Serve(ctx, ln, s.log, func(uc *net.UnixConn) { s.handle(ctx, uc) }); err != nil {
+	if err := s.sock.Serve(ctx, func(uc *net.UnixConn) { s.handle(ctx, uc) }); err != nil {
 		return fmt.Errorf("zds: %w", err)
 	}
 	return nil
@@ -234,6 +230,22 @@ func (s *Server) State() State {
 // change (older undelivered values are replaced, so a slow reader never
 // blocks the server), starting with the current one. cancel releases it.
 func (s *Server) Subscribe() (<-chan State, func()) { return s.states.Subscribe() }
+
+// Follow calls each with the current State and then every change, on the
+// caller's goroutine, until ctx ends: what a readiness gate needs to track
+// ztunnel.
+func (s *Server) Follow(ctx context.Context, each func(State)) {
+	states, stop := s.Subscribe()
+	defer stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case st := <-states:
+			each(st)
+		}
+	}
+}
 
 func (s *Server) stateLocked() State {
 	st := State{Connections: len(s.conns)}

@@ -17,7 +17,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/inpod-dev/inpod/cnievent"
@@ -64,9 +63,7 @@ type Server struct {
 	cfg   Config
 	log   *slog.Logger
 	slots chan struct{}
-
-	mu sync.Mutex
-	ln *net.UnixListener
+	sock  *unixsock.Socket
 }
 
 // New validates cfg and fills in defaults.
@@ -93,34 +90,22 @@ func New(cfg Config) (*Server, error) {
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Server{cfg: cfg, log: log.With("component", "cniserver"), slots: make(chan struct{}, cfg.MaxConcurrent)}, nil
+	log = log.With("component", "cniserver")
+	return &Server{cfg: cfg, log: log, slots: make(chan struct{}, cfg.MaxConcurrent),
+		sock: unixsock.NewSocket("unix", cfg.SocketPath, log, "listening for CNI events")}, nil
 }
 
-// Listen creates the root-only socket.
+// Listen creates the root-only socket; Serve does when nobody did.
 func (s *Server) Listen() error {
-	ln, err := unixsock.Listen("unix", s.cfg.SocketPath)
-	if err != nil {
+	if err := s.sock.Listen(); err != nil {
 		return fmt.Errorf("cniserver: %w", err)
 	}
-	s.mu.Lock()
-	s.ln = ln
-	s.mu.Unlock()
-	s.log.Info("listening for CNI events", "socket", s.cfg.SocketPath)
 	return nil
 }
 
 // Serve answers requests until ctx ends, then waits for those in progress.
 func (s *Server) Serve(ctx context.Context) error {
-	s.mu.Lock()
-	ln := s.ln
-	s.mu.Unlock()
-	if ln == nil {
-		if err := s.Listen(); err != nil {
-			return err
-		}
-		ln = s.ln
-	}
-	if err := unixsock.Serve(ctx, ln, s.log, func(uc *net.UnixConn) { s.serveConn(ctx, uc) }); err != nil {
+	if err := s.sock.Serve(ctx, func(uc *net.UnixConn) { s.serveConn(ctx, uc) }); err != nil {
 		return fmt.Errorf("cniserver: %w", err)
 	}
 	return nil

@@ -19,7 +19,7 @@ import (
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/internal/envflag"
-	"github.com/inpod-dev/inpod/nodecondition"
+	"github.com/inpod-dev/inpod/readiness"
 	"github.com/inpod-dev/inpod/zds"
 )
 
@@ -69,7 +69,7 @@ func run() error {
 	fs.IntVar(&cfg.DevicePlugin.Devices, "devices", 0, fmt.Sprintf("devices to advertise; 0: the Node's pod capacity (status.capacity.pods), or %d when it cannot be read", deviceplugin.DefaultDevices))
 	fs.StringVar(&cfg.DRA.RegistrarDir, "dra-registrar-dir", dra.DefaultRegistrarDir, "the kubelet's plugin registration directory (the dra gate registers there)")
 	fs.StringVar(&cfg.DRA.PluginDir, "dra-plugin-dir", dra.DefaultPluginDir, "the dra gate's own directory: its gRPC socket and its record of prepared claims (same path on the host and in the container)")
-	fs.DurationVar(&cfg.NodeCondition.StartupGrace, "node-condition-startup-grace", nodecondition.DefaultStartupGrace, "node-condition gate: when the Node's condition is already True at start (an agent restart), write nothing until the first ready verdict or until this passes, so a restart does not re-taint the node; negative: no grace")
+	fs.DurationVar(&cfg.NodeCondition.StartupGrace, "node-condition-startup-grace", readiness.DefaultStartupGrace, "node-condition gate: when the Node's condition is already True at start (an agent restart), write nothing until the first ready verdict or until this passes, so a restart does not re-taint the node; negative: no grace")
 	fs.DurationVar(&cfg.VerifyPeriod, "verify-period", agent.DefaultVerifyPeriod, "how often every enrolled pod is re-proven (its sandbox, the rules in its netns read back from the kernel, ztunnel's Ack and listeners, the node's probe exemptions), repairing what was lost; jittered by ±10 %; events that may break a pod's redirection (a CNI DEL, a recreated sandbox, ztunnel reconnecting, the CNI configuration repaired, a failed removal) ask for a round sooner")
 	fs.DurationVar(&cfg.ZtunnelGrace, "ztunnel-grace", agent.DefaultZtunnelGrace, "how long ztunnel may be away (its restart, the agent's) before the verifier takes every enrolled pod for unproven and turns its inpod.dev/redirected condition False")
 	fs.Float64Var(&kubeAPIQPS, "kube-api-qps", agent.DefaultKubeAPIQPS, "client-side limit of API requests per second, shared by the agent's writes (pod annotations, Events, the Node condition, token requests)")

@@ -160,3 +160,52 @@ func handleThenWait(uc *net.UnixConn, next <-chan *net.UnixConn, handle func(*ne
 		}
 	}
 }
+
+// Socket is a root-only listening socket that can be opened before it is
+// served: the agent listens early, so a client that connects before
+// serving starts waits in the backlog instead of failing, and Serve opens
+// the socket itself when nobody did.
+type Socket struct {
+	network, path string
+	log           *slog.Logger
+	// listening is logged when the socket opens ("listening for ztunnel").
+	listening string
+
+	mu sync.Mutex
+	ln *net.UnixListener
+}
+
+// NewSocket describes a socket; nothing is opened yet.
+func NewSocket(network, path string, log *slog.Logger, listening string) *Socket {
+	return &Socket{network: network, path: path, log: log, listening: listening}
+}
+
+// Listen opens the socket (see Listen); once open, it does nothing.
+func (s *Socket) Listen() error {
+	_, err := s.listener()
+	return err
+}
+
+func (s *Socket) listener() (*net.UnixListener, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ln != nil {
+		return s.ln, nil
+	}
+	ln, err := Listen(s.network, s.path)
+	if err != nil {
+		return nil, err
+	}
+	s.ln = ln
+	s.log.Info(s.listening, "socket", s.path)
+	return ln, nil
+}
+
+// Serve opens the socket if needed, then serves it (see Serve).
+func (s *Socket) Serve(ctx context.Context, handle func(*net.UnixConn)) error {
+	ln, err := s.listener()
+	if err != nil {
+		return err
+	}
+	return Serve(ctx, ln, s.log, handle)
+}

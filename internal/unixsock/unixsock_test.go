@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/internal/unixsock"
 )
 
@@ -91,5 +92,73 @@ func TestServeKeepsAcceptingWhileAHandlerIsBusy(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("Serve did not return after its context ended")
+	}
+}
+
+// A client that connects after Listen and before Serve is answered once
+// serving starts; a second Listen keeps the same socket.
+func TestSocketListenedEarlyAnswersWhatConnectedBeforeServe(t *testing.T) {
+	dir, err := os.MkdirTemp("", "unixsock-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	path := filepath.Join(dir, "s.sock")
+	s := unixsock.NewSocket("unix", path, slog.New(slog.NewTextHandler(io.Discard, nil)), "listening")
+	if err := s.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	before, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Listen(); err != nil {
+		t.Fatalf("a second Listen: %v", err)
+	}
+	if after, err := os.Stat(path); err != nil || !os.SameFile(before, after) {
+		t.Fatalf("a second Listen replaced the socket: %v", err)
+	}
+	c, err := net.Dial("unix", path)
+	if err != nil {
+		t.Fatalf("connect before Serve: %v", err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- s.Serve(ctx, func(uc *net.UnixConn) { uc.Write([]byte("y")); uc.Close() })
+	}()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	b := make([]byte, 1)
+	if _, err := io.ReadFull(c, b); err != nil || b[0] != 'y' {
+		t.Fatalf("the early client was not answered: %q %v", b, err)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+}
+
+func TestSocketServeListensWhenNobodyDid(t *testing.T) {
+	dir, err := os.MkdirTemp("", "unixsock-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	path := filepath.Join(dir, "s.sock")
+	s := unixsock.NewSocket("unix", path, slog.New(slog.NewTextHandler(io.Discard, nil)), "listening")
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Serve(ctx, func(uc *net.UnixConn) { uc.Close() }) }()
+	testkit.Eventually(t, 10*time.Second, "Serve listening", func() bool {
+		c, err := net.Dial("unix", path)
+		if err == nil {
+			c.Close()
+		}
+		return err == nil
+	})
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("Serve: %v", err)
 	}
 }
