@@ -120,6 +120,8 @@ test-fuzz: ## [check] every fuzz target for 20000 inputs (the bounded run in mak
 
 # Binaries for the Kubernetes tiers, built once and cached by version.
 K8S_ENV = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh) INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh)
+# A node for a person also gets kubectl.
+K8S_ENV_PERSON = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh kubectl) INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh)
 
 tagged_pkgs = $(shell grep -rl --include='*_test.go' '^//go:build $(1)' . | xargs -r -n1 dirname | sort -u)
 
@@ -170,14 +172,14 @@ bench: deps ## [measure] every benchmark; one report of every figure next to its
 
 # Pinned Kubernetes and etcd binaries for the test node, cached outside the
 # repo (INPOD_CACHE_DIR, default /var/cache/inpod): ~17 min cold, seconds warm.
-k8s-bins: ## [node] build and cache the pinned Kubernetes, etcd and CNI binaries (~17 min cold)
-	@hack/k8s-bins.sh
+k8s-bins: ## [node] build and cache the pinned Kubernetes (with kubectl), etcd and CNI binaries (~17 min cold)
+	@hack/k8s-bins.sh kubectl
 	@hack/cni-bins.sh
 
 # A real single-node Kubernetes for a person: prints the kubeconfig path.
 cluster-up: deps ## [node] a real single-node Kubernetes for a person; prints its kubeconfig
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
-	$(K8S_ENV) $(BIN)/localnode up --repo $(CURDIR)
+	$(K8S_ENV_PERSON) $(BIN)/localnode up --repo $(CURDIR)
 
 cluster-down: ## [node] stop what cluster-up started
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
@@ -192,7 +194,7 @@ demo: deps images ## [start] bring up the local node, install inpod with its cha
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/demo ./e2e/cmd/demo
 	if $(NODE_UP); then lock=; else lock="flock /tmp/inpod-e2e.lock"; fi; \
-	  $(K8S_ENV) $$lock $(BIN)/demo up --repo $(CURDIR) --images $(BIN)/images
+	  $(K8S_ENV_PERSON) $$lock $(BIN)/demo up --repo $(CURDIR) --images $(BIN)/images
 
 demo-down: deps ## [start] uninstall inpod (helm) and remove the local node
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
