@@ -21,6 +21,7 @@ import (
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/testkit"
+	"github.com/inpod-dev/inpod/release"
 )
 
 // TestE2EChartInstallUpgradeUninstall installs inpod with its Helm chart on
@@ -44,27 +45,27 @@ func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 	}
 
 	imgDir := t.TempDir()
-	if _, err := images.Products(ctx, repo, images.DevTag, imgDir); err != nil {
+	if err := images.BuildForChart(ctx, repo, release.DevTag, imgDir); err != nil {
 		t.Fatal(err)
 	}
 	// The upgrade's image: the same agent with another digest.
-	spec, err := images.Agent(ctx, repo, "upgrade")
+	spec, err := release.Agent(ctx, repo, "upgrade")
 	if err != nil {
 		t.Fatal(err)
 	}
 	spec.Labels["dev.inpod.e2e-build"] = "upgrade"
-	if _, err := images.Write(spec, filepath.Join(imgDir, "inpod-agent-upgrade.tar")); err != nil {
+	if _, err := release.Write(spec, filepath.Join(imgDir, "inpod-agent-upgrade.tar")); err != nil {
 		t.Fatal(err)
 	}
 	if err := target.ImportImages(ctx, filepath.Join(imgDir, "inpod-agent.tar"), filepath.Join(imgDir, "ztunnel-standin.tar"),
 		filepath.Join(imgDir, "inpod-agent-upgrade.tar")); err != nil {
 		t.Fatal(err)
 	}
-	if err := target.Install(ctx, repo, images.DevTag); err != nil {
+	if err := target.Install(ctx, repo, release.DevTag); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { target.Helm(context.Background(), repo, "uninstall", chart.Release, "-n", chart.Namespace) })
-	if _, err := client.AppsV1().DaemonSets(chart.Namespace).Create(ctx, chart.StandIn(images.DevTag, target.ZDSSocket()), metav1.CreateOptions{}); err != nil {
+	if _, err := client.AppsV1().DaemonSets(chart.Namespace).Create(ctx, chart.StandIn(release.DevTag, target.ZDSSocket()), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	conflist := filepath.Join(node.CNIConf, "10-e2e.conflist")

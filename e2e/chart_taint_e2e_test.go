@@ -16,6 +16,7 @@ import (
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/nodecondition"
+	"github.com/inpod-dev/inpod/release"
 	"github.com/inpod-dev/inpod/taintcontroller"
 )
 
@@ -52,7 +53,7 @@ func TestE2EChartTaintMode(t *testing.T) {
 
 	c.install(t, "--set", "gates={node-condition}",
 		"--set", "controller.enabled=true", "--set", "controller.nodeTaintPolicy.enabled=true",
-		"--set", "controller.image.repository="+images.ControllerRepository, "--set", "controller.image.tag="+images.DevTag,
+		"--set", "controller.image.repository="+release.ControllerRepository, "--set", "controller.image.tag="+release.DevTag,
 		"--set", "controller.image.pullPolicy=Never")
 
 	// The chart's policy taints a Node at CREATE (a new policy takes

@@ -21,6 +21,7 @@ import (
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/testkit"
+	"github.com/inpod-dev/inpod/release"
 )
 
 // chartNode is the real node ready for inpod's chart: the product images
@@ -43,7 +44,7 @@ func newChartNode(ctx context.Context, t *testing.T, root string) *chartNode {
 		t.Fatal(err)
 	}
 	imgDir := t.TempDir()
-	if _, err := images.Products(ctx, repo, images.DevTag, imgDir); err != nil {
+	if err := images.BuildForChart(ctx, repo, release.DevTag, imgDir); err != nil {
 		t.Fatal(err)
 	}
 	if err := c.target.ImportImages(ctx, filepath.Join(imgDir, "inpod-agent.tar"), filepath.Join(imgDir, "ztunnel-standin.tar"),
@@ -107,7 +108,7 @@ func (c *chartNode) agentPodsReport() string {
 // install installs or upgrades the chart with the node's values plus extra.
 func (c *chartNode) install(t *testing.T, extra ...string) {
 	t.Helper()
-	if err := c.target.Install(c.ctx, c.repo, images.DevTag, extra...); err != nil {
+	if err := c.target.Install(c.ctx, c.repo, release.DevTag, extra...); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -135,7 +136,7 @@ func (c *chartNode) standInUp(t *testing.T) {
 		_, err := c.Client.AppsV1().DaemonSets(chart.Namespace).Get(c.ctx, "ztunnel-standin", metav1.GetOptions{})
 		return apierrors.IsNotFound(err)
 	})
-	if _, err := c.Client.AppsV1().DaemonSets(chart.Namespace).Create(c.ctx, chart.StandIn(images.DevTag, c.target.ZDSSocket()), metav1.CreateOptions{}); err != nil {
+	if _, err := c.Client.AppsV1().DaemonSets(chart.Namespace).Create(c.ctx, chart.StandIn(release.DevTag, c.target.ZDSSocket()), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -12,9 +12,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/testkit"
+	"github.com/inpod-dev/inpod/release"
 )
 
 // TestE2EInitContainerGate installs inpod with gate initcontainer only,
@@ -34,7 +34,7 @@ func TestE2EInitContainerGate(t *testing.T) {
 
 	const agentLabel = "e2e.inpod.dev/agent"
 	c.install(t, "--set", "gates={initcontainer}",
-		"--set", "initContainer.image.repository="+images.WaitReadyRepository, "--set", "initContainer.image.tag="+images.DevTag,
+		"--set", "initContainer.image.repository="+release.WaitReadyRepository, "--set", "initContainer.image.tag="+release.DevTag,
 		"--set", "initContainer.image.pullPolicy=Never", "--set", "initContainer.timeout=10s",
 		"--set-string", "agent.nodeSelector.e2e\\.inpod\\.dev/agent=true")
 	c.standInUp(t)

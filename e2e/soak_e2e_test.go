@@ -28,9 +28,9 @@ import (
 
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/e2e/chart"
-	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/testkit"
+	"github.com/inpod-dev/inpod/release"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
@@ -307,7 +307,7 @@ func (s *soak) logf(format string, args ...any) {
 // file per stand-in pod) and an update strategy that starts the new pod
 // before the old one leaves, as a ztunnel upgrade does.
 func (s *soak) standInUp(t *testing.T) {
-	ds := chart.StandIn(images.DevTag, s.c.target.ZDSSocket())
+	ds := chart.StandIn(release.DevTag, s.c.target.ZDSSocket())
 	ctr := &ds.Spec.Template.Spec.Containers[0]
 	ctr.Env = append(ctr.Env,
 		corev1.EnvVar{Name: "POD_NAME", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "metadata.name"}}},

@@ -32,6 +32,7 @@ import (
 	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/benchreport"
 	"github.com/inpod-dev/inpod/internal/testkit"
+	"github.com/inpod-dev/inpod/release"
 	"github.com/inpod-dev/inpod/taintcontroller"
 )
 
@@ -75,7 +76,7 @@ func BenchmarkE2EPodStartup(b *testing.B) {
 	defer cancel()
 	repo := testkit.RepoDir(b)
 	imgDir := b.TempDir()
-	if _, err := images.Products(ctx, repo, images.DevTag, imgDir); err != nil {
+	if err := images.BuildForChart(ctx, repo, release.DevTag, imgDir); err != nil {
 		b.Fatal(err)
 	}
 	if err := chart.PrepareHost(); err != nil {
@@ -140,7 +141,7 @@ func taintMode() gateMode {
 		name: "taint",
 		values: func(*cluster.Node) []string {
 			return []string{"--set", "gates={node-condition}", "--set", "controller.enabled=true", "--set", "controller.mode=continuous",
-				"--set", "controller.image.repository=" + images.ControllerRepository, "--set", "controller.image.tag=" + images.DevTag,
+				"--set", "controller.image.repository=" + release.ControllerRepository, "--set", "controller.image.tag=" + release.DevTag,
 				"--set", "controller.image.pullPolicy=Never"}
 		},
 		open:   func(n *cluster.Node, o any) bool { t, ok := hasStartupTaint(n, o); return ok && !t },
@@ -158,7 +159,7 @@ func initContainerMode() gateMode {
 		name: "initcontainer",
 		values: func(*cluster.Node) []string {
 			return []string{"--set", "gates={initcontainer}",
-				"--set", "initContainer.image.repository=" + images.WaitReadyRepository, "--set", "initContainer.image.tag=" + images.DevTag,
+				"--set", "initContainer.image.repository=" + release.WaitReadyRepository, "--set", "initContainer.image.tag=" + release.DevTag,
 				"--set", "initContainer.image.pullPolicy=Never"}
 		},
 		startup: true,
@@ -202,12 +203,12 @@ func benchGateMode(ctx context.Context, b *testing.B, repo, imgDir string, m gat
 		filepath.Join(imgDir, "ztunnel-standin.tar"), filepath.Join(imgDir, "inpod-waitready.tar")); err != nil {
 		b.Fatal(err)
 	}
-	if err := target.Install(ctx, repo, images.DevTag, m.values(node)...); err != nil {
+	if err := target.Install(ctx, repo, release.DevTag, m.values(node)...); err != nil {
 		b.Fatal(err)
 	}
 	b.Cleanup(func() { target.Helm(context.Background(), repo, "uninstall", chart.Release, "-n", chart.Namespace) })
 	standIn := func() {
-		if _, err := client.AppsV1().DaemonSets(chart.Namespace).Create(ctx, chart.StandIn(images.DevTag, target.ZDSSocket()), metav1.CreateOptions{}); err != nil {
+		if _, err := client.AppsV1().DaemonSets(chart.Namespace).Create(ctx, chart.StandIn(release.DevTag, target.ZDSSocket()), metav1.CreateOptions{}); err != nil {
 			b.Fatal(err)
 		}
 	}

@@ -23,6 +23,7 @@ import (
 
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/images"
+	"github.com/inpod-dev/inpod/release"
 )
 
 // Namespace and release the demo and tests install into.
@@ -95,7 +96,7 @@ func (t Target) Values(tag string) ([]string, error) {
 		"--set", "paths.podResourcesSocket=" + filepath.Join(t.KubeletDir, "pod-resources", "kubelet.sock"),
 		"--set", "paths.draPluginRegistryDir=" + filepath.Join(t.KubeletDir, "plugins_registry"),
 		"--set", "paths.draPluginDir=" + filepath.Join(t.KubeletDir, "plugins", "redirection.inpod.dev"),
-		"--set", "agent.image.repository=" + images.AgentRepository,
+		"--set", "agent.image.repository=" + release.AgentRepository,
 		"--set", "agent.image.tag=" + tag,
 		"--set", "agent.image.pullPolicy=Never",
 		"--set", "agent.apiServer.host=" + u.Hostname(),

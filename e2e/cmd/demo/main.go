@@ -28,6 +28,7 @@ import (
 	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/envflag"
 	"github.com/inpod-dev/inpod/internal/testkit"
+	"github.com/inpod-dev/inpod/release"
 )
 
 const resource = corev1.ResourceName("inpod.dev/redirection")
@@ -110,8 +111,8 @@ func (d *demo) up(ctx context.Context) error {
 	if err := d.target.ImportImages(ctx, tars...); err != nil {
 		return err
 	}
-	d.say("imported the images %s:%s and %s:%s (test peer) into the node's containerd", images.AgentRepository, images.DevTag, images.StandInRepository, images.DevTag)
-	if err := d.target.Install(ctx, d.repo, images.DevTag); err != nil {
+	d.say("imported the images %s:%s and %s:%s (test peer) into the node's containerd", release.AgentRepository, release.DevTag, images.StandInRepository, release.DevTag)
+	if err := d.target.Install(ctx, d.repo, release.DevTag); err != nil {
 		return err
 	}
 	d.say("installed inpod with its chart: helm upgrade --install %s deploy/helm/inpod -n %s", chart.Release, chart.Namespace)
@@ -177,7 +178,7 @@ func (d *demo) up(ctx context.Context) error {
 	}
 	d.say("demo-mesh/app is Pending: %s", why)
 
-	if _, err := d.client.AppsV1().DaemonSets(chart.Namespace).Create(ctx, chart.StandIn(images.DevTag, d.target.ZDSSocket()), metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+	if _, err := d.client.AppsV1().DaemonSets(chart.Namespace).Create(ctx, chart.StandIn(release.DevTag, d.target.ZDSSocket()), metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
 	d.say("started the ztunnel stand-in (a test peer playing ztunnel) as a DaemonSet")

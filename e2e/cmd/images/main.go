@@ -13,13 +13,14 @@ import (
 
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/internal/envflag"
+	"github.com/inpod-dev/inpod/release"
 )
 
 func main() {
 	fs := flag.NewFlagSet("images", flag.ContinueOnError)
 	out := fs.String("out", "bin/images", "directory for the image tarballs")
 	repo := fs.String("repo", ".", "the inpod repository to build from")
-	tag := fs.String("tag", images.DevTag, "the images' tag")
+	tag := fs.String("tag", release.DevTag, "the images' tag")
 	err := envflag.Parse(fs, "images: build inpod's OCI image tarballs without Docker", os.Args[1:])
 	if err == flag.ErrHelp {
 		return
@@ -41,12 +42,17 @@ func run(repo, tag, out string) error {
 	if err != nil {
 		return err
 	}
-	digests, err := images.Products(context.Background(), abs, tag, out)
+	built, err := release.BuildImages(context.Background(), abs, tag, out)
 	if err != nil {
 		return err
 	}
-	for _, f := range images.SortedKeys(digests) {
-		fmt.Printf("%s  %s\n", digests[f], filepath.Join(out, f))
+	for _, b := range built {
+		fmt.Printf("%s  %s\n", b.Digest, b.File)
 	}
+	standIn, err := images.WriteStandIn(context.Background(), abs, tag, out)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("%s  (test peer)\n", standIn)
 	return nil
 }

@@ -1,4 +1,4 @@
-package images
+package release
 
 import (
 	"debug/elf"
@@ -37,7 +37,7 @@ var libDirs = []string{"/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/l
 
 func (c *hostCollector) add(p string, depth int) error {
 	if depth > 40 {
-		return fmt.Errorf("images: too many symlinks at %s", p)
+		return fmt.Errorf("release: too many symlinks at %s", p)
 	}
 	p = filepath.Clean(p)
 	if _, done := c.files[p]; done {
@@ -49,7 +49,7 @@ func (c *hostCollector) add(p string, depth int) error {
 		next := filepath.Join(cur, part)
 		fi, err := os.Lstat(next)
 		if err != nil {
-			return fmt.Errorf("images: host file: %w", err)
+			return fmt.Errorf("release: host file: %w", err)
 		}
 		switch {
 		case fi.Mode()&os.ModeSymlink != 0:
@@ -65,12 +65,12 @@ func (c *hostCollector) add(p string, depth int) error {
 			return c.add(filepath.Join(append([]string{resolved}, parts[i+1:]...)...), depth+1)
 		case fi.IsDir():
 			if i == len(parts)-1 {
-				return fmt.Errorf("images: %s is a directory", next)
+				return fmt.Errorf("release: %s is a directory", next)
 			}
 			cur = next
 		case fi.Mode().IsRegular():
 			if i != len(parts)-1 {
-				return fmt.Errorf("images: %s is not a directory", next)
+				return fmt.Errorf("release: %s is not a directory", next)
 			}
 			data, err := os.ReadFile(next)
 			if err != nil {
@@ -79,7 +79,7 @@ func (c *hostCollector) add(p string, depth int) error {
 			c.files[next] = File{Path: next, Mode: int64(fi.Mode().Perm()), Data: data}
 			return c.addDeps(next, depth)
 		default:
-			return fmt.Errorf("images: %s: unsupported file type %s", next, fi.Mode())
+			return fmt.Errorf("release: %s: unsupported file type %s", next, fi.Mode())
 		}
 	}
 	return nil
@@ -98,7 +98,7 @@ func (c *hostCollector) addDeps(p string, depth int) error {
 		}
 		buf := make([]byte, prog.Filesz)
 		if _, err := prog.ReadAt(buf, 0); err != nil {
-			return fmt.Errorf("images: %s: interpreter: %w", p, err)
+			return fmt.Errorf("release: %s: interpreter: %w", p, err)
 		}
 		if err := c.add(strings.TrimRight(string(buf), "\x00"), depth+1); err != nil {
 			return err
@@ -106,7 +106,7 @@ func (c *hostCollector) addDeps(p string, depth int) error {
 	}
 	libs, err := f.ImportedLibraries()
 	if err != nil {
-		return fmt.Errorf("images: %s: %w", p, err)
+		return fmt.Errorf("release: %s: %w", p, err)
 	}
 	for _, lib := range libs {
 		found := false
@@ -120,7 +120,7 @@ func (c *hostCollector) addDeps(p string, depth int) error {
 			}
 		}
 		if !found {
-			return fmt.Errorf("images: %s needs %s, not found in %v", p, lib, libDirs)
+			return fmt.Errorf("release: %s needs %s, not found in %v", p, lib, libDirs)
 		}
 	}
 	return nil

@@ -1,20 +1,21 @@
-package images
+package release
 
 import (
 	"context"
 	"fmt"
 	"os/exec"
 	"path/filepath"
-	"sort"
 	"strings"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
 )
 
-// The images inpod ships (and its test peer). Their repositories are the
-// chart's defaults; Tag is the version, "dev" for local builds.
+// The images inpod ships. Their repositories are the chart's defaults;
+// the tag is the version, DevTag for local builds.
 const (
 	AgentRepository      = "ghcr.io/inpod-dev/inpod-agent"
 	ControllerRepository = "ghcr.io/inpod-dev/inpod-controller"
-	StandInRepository    = "ghcr.io/inpod-dev/ztunnel-standin"
 	WaitReadyRepository  = "ghcr.io/inpod-dev/inpod-waitready"
 	DevTag               = "dev"
 )
@@ -77,7 +78,7 @@ func Agent(ctx context.Context, repoDir, tag string) (Spec, error) {
 		}
 	}
 	if len(keep) == 0 {
-		return Spec{}, fmt.Errorf("images: no xtables extensions on this machine: apt-get install iptables")
+		return Spec{}, fmt.Errorf("release: no xtables extensions on this machine: apt-get install iptables")
 	}
 	host, err := HostFiles(append(append([]string{}, iptablesTools...), keep...)...)
 	if err != nil {
@@ -153,25 +154,6 @@ func WaitReady(ctx context.Context, repoDir, tag string) (Spec, error) {
 	}, nil
 }
 
-// StandIn is the ztunnel-standin image: a test peer that plays ztunnel on
-// the ZDS socket for the demo and the e2e tests. It is not a proxy.
-func StandIn(ctx context.Context, repoDir, tag string) (Spec, error) {
-	data, err := GoBinary(ctx, repoDir, "./cmd/ztunnel-standin")
-	if err != nil {
-		return Spec{}, err
-	}
-	return Spec{
-		Ref:        StandInRepository + ":" + tag,
-		Files:      []File{{Path: "/usr/local/bin/ztunnel-standin", Mode: 0o755, Data: data}},
-		Entrypoint: []string{"/usr/local/bin/ztunnel-standin"},
-		Labels: map[string]string{
-			"org.opencontainers.image.title":       "ztunnel-standin",
-			"org.opencontainers.image.description": "TEST PEER ONLY: plays Istio's ztunnel on the ZDS socket for inpod's demo and tests; proxies nothing",
-			"org.opencontainers.image.source":      "https://github.com/inpod-dev/inpod",
-		},
-	}, nil
-}
-
 // debianVersion is the installed version of a Debian package, or "".
 func debianVersion(ctx context.Context, pkg string) string {
 	out, err := exec.CommandContext(ctx, "dpkg-query", "-W", "-f", "${Version}", pkg).Output()
@@ -181,34 +163,64 @@ func debianVersion(ctx context.Context, pkg string) string {
 	return strings.TrimSpace(string(out))
 }
 
-// Products builds every shipped image (and the test peer) into outDir as
-// <name>.tar and returns the digests by file name.
-func Products(ctx context.Context, repoDir, tag, outDir string) (map[string]string, error) {
-	digests := map[string]string{}
-	for _, b := range []struct {
-		file  string
-		build func(context.Context, string, string) (Spec, error)
-	}{{"inpod-agent.tar", Agent}, {"inpod-controller.tar", Controller},
-		{"inpod-waitready.tar", WaitReady}, {"ztunnel-standin.tar", StandIn}} {
-		spec, err := b.build(ctx, repoDir, tag)
-		if err != nil {
-			return nil, err
-		}
-		d, err := Write(spec, filepath.Join(outDir, b.file))
-		if err != nil {
-			return nil, err
-		}
-		digests[b.file] = d.String()
-	}
-	return digests, nil
+// Shipped is one image inpod ships.
+type Shipped struct {
+	// Name is the image's name, its repository's last element and its
+	// tarball's name (<Name>.tar).
+	Name string
+	// Repository is the chart's default for it.
+	Repository string
+	// Values is where the chart takes it: <Values>.image.repository,
+	// .tag and .digest.
+	Values string
+	// Build gives the image of the repository in repoDir, tagged tag.
+	Build func(ctx context.Context, repoDir, tag string) (Spec, error)
 }
 
-// SortedKeys lists m's keys in order (for stable output).
-func SortedKeys(m map[string]string) []string {
-	keys := make([]string, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
+// ShippedImages are the images inpod ships, in the order they are built.
+func ShippedImages() []Shipped {
+	return []Shipped{
+		{Name: "inpod-agent", Repository: AgentRepository, Values: "agent", Build: Agent},
+		{Name: "inpod-controller", Repository: ControllerRepository, Values: "controller", Build: Controller},
+		{Name: "inpod-waitready", Repository: WaitReadyRepository, Values: "initContainer", Build: WaitReady},
 	}
-	sort.Strings(keys)
-	return keys
+}
+
+// Built is an image tarball written.
+type Built struct {
+	Shipped
+	// Tag is the tag the tarball carries.
+	Tag string
+	// File is the tarball's path.
+	File string
+	// Digest is the image's (its manifest's) digest: the one a registry
+	// gives it once pushed.
+	Digest v1.Hash
+}
+
+// Ref is the image's reference by tag.
+func (b Built) Ref() string { return b.Repository + ":" + b.Tag }
+
+// BuildImages builds every shipped image from the repository in repoDir,
+// tagged tag, into outDir as <name>.tar, in ShippedImages' order.
+func BuildImages(ctx context.Context, repoDir, tag, outDir string) ([]Built, error) {
+	for _, s := range ShippedImages() {
+		if _, err := name.NewTag(s.Repository + ":" + tag); err != nil {
+			return nil, fmt.Errorf("release: tag %q: %w", tag, err)
+		}
+	}
+	var out []Built
+	for _, s := range ShippedImages() {
+		spec, err := s.Build(ctx, repoDir, tag)
+		if err != nil {
+			return nil, err
+		}
+		file := filepath.Join(outDir, s.Name+".tar")
+		d, err := Write(spec, file)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, Built{Shipped: s, Tag: tag, File: file, Digest: d})
+	}
+	return out, nil
 }
