@@ -221,6 +221,21 @@ grep -qF -- '--readiness-gate=false' <<<"$out" || { echo "mode=webhook with the 
 if grep -q 'inpod-readiness-gate' <<<"$out"; then echo "mode=webhook with the readiness gate off renders its policy" >&2; exit 1; fi
 echo "chart: mode=webhook renders the webhook with a caBundle or with cert-manager"
 
+# Images by digest (make release's values-release.yaml): every image the
+# chart renders is then repository@digest; without a digest (an older
+# release's values, helm upgrade --reuse-values, lack the value) by tag.
+digest=sha256:$(printf '%064d' 0 | tr 0 a)
+out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={initcontainer}' --set controller.enabled=true \
+  --set agent.image.digest=$digest --set controller.image.digest=$digest --set initContainer.image.digest=$digest)
+for want in "image: \"ghcr.io/inpod-dev/inpod-agent@$digest\"" "image: \"ghcr.io/inpod-dev/inpod-controller@$digest\"" \
+  "image: \"ghcr.io/inpod-dev/inpod-waitready@$digest\"" "initContainers[0].image == 'ghcr.io/inpod-dev/inpod-waitready@$digest'"; do
+  grep -qF -- "$want" <<<"$out" || { echo "images by digest: rendered chart lacks $want" >&2; exit 1; }
+done
+if grep -q 'ghcr.io/inpod-dev/[a-z-]*:' <<<"$out"; then echo "images by digest: an image is still referenced by tag" >&2; exit 1; fi
+out=$("$helm" template inpod "$chart" -n inpod-system -f <(printf 'agent:\n  image:\n    digest: null\n') --set agent.image.tag=v9)
+grep -qF 'image: "ghcr.io/inpod-dev/inpod-agent:v9"' <<<"$out" || { echo "values without agent.image.digest do not render the image by tag" >&2; exit 1; }
+echo "chart: images by digest when one is set, else by tag"
+
 refuse() { # want-in-message, helm args...
   local want=$1; shift
   local out
@@ -235,6 +250,8 @@ refuse "gates" --set 'gates={none,initcontainer}'
 refuse "runAsUser" --set 'gates={initcontainer}' --set initContainer.runAsUser=0
 refuse "timeout" --set 'gates={initcontainer}' --set initContainer.timeout=2
 refuse "pullPolicy" --set initContainer.image.pullPolicy=Sometimes
+refuse "agent/image/digest" --set agent.image.digest=sha256:abc
+refuse "controller/image/digest" --set controller.image.digest=abc
 refuse "backend" --set redirection.backend=ebpf
 refuse "resourceName" --set resourceName=redirection
 refuse "resourceName" --set resourceName=kubernetes.io/redirection

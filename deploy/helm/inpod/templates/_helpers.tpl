@@ -16,8 +16,21 @@ app.kubernetes.io/name: inpod
 app.kubernetes.io/component: agent
 {{- end }}
 
+{{/* An image reference from its values (list <image values> $): by
+digest when one is set (repository@digest, the tag unused), else by tag
+(default the chart's appVersion). */}}
+{{- define "inpod.image" -}}
+{{- $image := index . 0 }}
+{{- $ := index . 1 }}
+{{- if $image.digest }}
+{{- printf "%s@%s" $image.repository $image.digest }}
+{{- else }}
+{{- printf "%s:%s" $image.repository ($image.tag | default $.Chart.AppVersion) }}
+{{- end }}
+{{- end }}
+
 {{- define "inpod.agentImage" -}}
-{{ .Values.agent.image.repository }}:{{ .Values.agent.image.tag | default .Chart.AppVersion }}
+{{ include "inpod.image" (list .Values.agent.image $) }}
 {{- end }}
 
 {{/* The ServiceAccount of the agent, as the API server names its user. */}}
@@ -26,7 +39,7 @@ system:serviceaccount:{{ .Release.Namespace }}:inpod-agent
 {{- end }}
 
 {{- define "inpod.controllerImage" -}}
-{{ .Values.controller.image.repository }}:{{ .Values.controller.image.tag | default .Chart.AppVersion }}
+{{ include "inpod.image" (list .Values.controller.image $) }}
 {{- end }}
 
 {{/* The startup taint as inpod-controller's --taint spells it. */}}
@@ -161,7 +174,7 @@ for the request, the readiness gate, or both. */}}
 {{- end }}
 
 {{- define "inpod.waitReadyImage" -}}
-{{ .Values.initContainer.image.repository }}:{{ .Values.initContainer.image.tag | default .Chart.AppVersion }}
+{{ include "inpod.image" (list .Values.initContainer.image $) }}
 {{- end }}
 
 {{/* A map of resource quantities as a CEL map literal of strings. */}}
