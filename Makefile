@@ -10,7 +10,7 @@ export PATH := $(BIN):$(PATH)
 PROTOC_VERSION := 3.21.12
 
 .PHONY: all help deps build generate check-generated lint test test-unit test-fuzz fuzz test-integration test-e2e \
-	soak bench k8s-bins cluster-up cluster-down clean images manifests chart-docs check-chart demo demo-down
+	soak bench k8s-bins cluster-up cluster-down clean images release manifests chart-docs check-chart demo demo-down
 
 all: build
 
@@ -30,14 +30,25 @@ deps: ## [build] install the tools the build and tests need (staticcheck, protoc
 build: ## [build] the binaries, into ./bin
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/ ./cmd/...
 
-# OCI image tarballs without Docker (e2e/images): inpod-agent (with the
-# iptables tools of this machine's Debian packages), inpod-controller,
-# inpod-waitready (the init container) and ztunnel-standin (a test peer).
-# Same commit, same digests. TAG names the version.
+# The shipped images as tarballs without Docker (release/, inpod-release):
+# inpod-agent (with the iptables tools of this machine's Debian packages),
+# inpod-controller and inpod-waitready (the init container), plus
+# values-release.yaml pinning them by digest. Same commit, same digests. TAG
+# names the version. The ztunnel stand-in (a test peer) is no release image:
+# the demo and the e2e tests build it themselves.
 TAG ?= dev
-images: ## [build] image tarballs inpod-agent, inpod-controller, inpod-waitready and ztunnel-standin into ./bin/images (no Docker)
+RELEASE = $(GO) run ./release/cmd/inpod-release --tag $(TAG)
+images: ## [build] the shipped images inpod-agent, inpod-controller, inpod-waitready as tarballs into ./bin/images (no Docker)
 	@command -v xtables-nft-multi >/dev/null || hack/install-deps.sh
-	$(GO) run ./e2e/cmd/images --out $(BIN)/images --tag $(TAG)
+	$(RELEASE) --out $(BIN)/images --chart ''
+
+# What a release publishes, into ./bin/release: the images as make images
+# builds them, values-release.yaml, and the chart packaged by helm (version
+# and appVersion from TAG when it is a semantic version, v1.2.3; else
+# Chart.yaml's), each printed with its digest (docs/install.md, Release
+# artifacts).
+release: deps ## [build] the image tarballs, the packaged chart and values-release.yaml (images by digest) into ./bin/release
+	$(RELEASE) --out $(BIN)/release --chart deploy/helm/inpod --helm $(BIN)/helm
 
 generate: deps ## [build] regenerate zds/zdspb from zds.proto
 	@protoc --version | grep -q ' $(PROTOC_VERSION)$$' || \

@@ -1,7 +1,8 @@
 // Command demo shows inpod doing its job on a real single node (make demo):
-// it brings up the local node (make cluster-up's), imports the images,
-// installs inpod with its Helm chart, runs the ztunnel stand-in as a
-// DaemonSet and narrates each step with its elapsed time. It exits non-zero
+// it brings up the local node (make cluster-up's), imports the agent's
+// image (make images) and the ztunnel stand-in's (built here: a test peer),
+// installs inpod with its Helm chart, runs the stand-in as a DaemonSet and
+// narrates each step with its elapsed time. It exits non-zero
 // when a step fails and leaves the node up; `demo down` (make demo-down)
 // removes everything.
 package main
@@ -107,8 +108,18 @@ func (d *demo) up(ctx context.Context) error {
 	if err := chart.PrepareHost(); err != nil {
 		return err
 	}
-	tars := []string{filepath.Join(d.images, "inpod-agent.tar"), filepath.Join(d.images, "ztunnel-standin.tar")}
-	if err := d.target.ImportImages(ctx, tars...); err != nil {
+	// The stand-in is a test peer, not a release image: make images does
+	// not build it.
+	tmp, err := os.MkdirTemp("", "inpod-demo-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(tmp)
+	standIn, err := images.WriteStandIn(ctx, d.repo, release.DevTag, tmp)
+	if err != nil {
+		return err
+	}
+	if err := d.target.ImportImages(ctx, filepath.Join(d.images, "inpod-agent.tar"), standIn); err != nil {
 		return err
 	}
 	d.say("imported the images %s:%s and %s:%s (test peer) into the node's containerd", release.AgentRepository, release.DevTag, images.StandInRepository, release.DevTag)
