@@ -57,7 +57,7 @@ func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 	if _, err := release.Write(spec, filepath.Join(imgDir, "inpod-agent-upgrade.tar")); err != nil {
 		t.Fatal(err)
 	}
-	if err := target.ImportImages(ctx, filepath.Join(imgDir, "inpod-agent.tar"), filepath.Join(imgDir, "ztunnel-standin.tar"),
+	if err := target.ImportImages(ctx, filepath.Join(imgDir, "inpod-agent.tar"), filepath.Join(imgDir, images.StandInFile),
 		filepath.Join(imgDir, "inpod-agent-upgrade.tar")); err != nil {
 		t.Fatal(err)
 	}

@@ -47,7 +47,7 @@ func newChartNode(ctx context.Context, t *testing.T, root string) *chartNode {
 	if err := images.BuildForChart(ctx, repo, release.DevTag, imgDir); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.target.ImportImages(ctx, filepath.Join(imgDir, "inpod-agent.tar"), filepath.Join(imgDir, "ztunnel-standin.tar"),
+	if err := c.target.ImportImages(ctx, filepath.Join(imgDir, "inpod-agent.tar"), filepath.Join(imgDir, images.StandInFile),
 		filepath.Join(imgDir, "inpod-controller.tar"), filepath.Join(imgDir, "inpod-waitready.tar")); err != nil {
 		t.Fatal(err)
 	}

@@ -200,7 +200,7 @@ func benchGateMode(ctx context.Context, b *testing.B, repo, imgDir string, m gat
 	}
 	target := chart.NodeTarget(node)
 	if err := target.ImportImages(ctx, filepath.Join(imgDir, "inpod-agent.tar"), filepath.Join(imgDir, "inpod-controller.tar"),
-		filepath.Join(imgDir, "ztunnel-standin.tar"), filepath.Join(imgDir, "inpod-waitready.tar")); err != nil {
+		filepath.Join(imgDir, images.StandInFile), filepath.Join(imgDir, "inpod-waitready.tar")); err != nil {
 		b.Fatal(err)
 	}
 	if err := target.Install(ctx, repo, release.DevTag, m.values(node)...); err != nil {
