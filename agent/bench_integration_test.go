@@ -460,7 +460,7 @@ func BenchmarkIntegrationEnrollment(b *testing.B) {
 	w.stopStandin()
 	w.standin, w.stopStandin = ztunnel.Start(b, ztunnel.Config{SocketPath: w.cfg.ZDSSocket, MinBackoff: time.Millisecond, MaxBackoff: 5 * time.Millisecond})
 	bin := filepath.Join(b.TempDir(), "inpod-agent")
-	// Built as the image builds it (e2e/images), so its RSS is the shipped
+	// Built as the image builds it (release.GoBinary), so its RSS is the shipped
 	// binary's: static, without cgo's libc mapped.
 	build := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", bin, "../cmd/inpod-agent")
 	build.Env = append(os.Environ(), "CGO_ENABLED=0")
