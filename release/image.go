@@ -1,15 +1,15 @@
-// Package release builds what inpod ships, without Docker or a registry:
-// the images inpod-agent, inpod-controller and inpod-waitready (Agent,
-// Controller, WaitReady), and, through cmd/inpod-release (make release),
-// the chart packaged with a values file that pins those images by digest.
-// make images and make release build the images here; the end-to-end
-// harness (e2e/) builds the same images, and its own test images, with
-// this package's generic builder: Go binaries built from this repository
-// (GoBinary) and, for the agent, the iptables tools copied from the build
-// machine's Debian packages (HostFiles) become one layer (Layer), written
-// (Write) as an image tarball in the docker-archive format (`docker save`'s)
-// that containerd imports (`ctr images import`), `docker load` reads and
-// `crane push` pushes unchanged.
+// Package release builds what inpod ships, outside the test harness and
+// without Docker or a registry: the images inpod-agent, inpod-controller
+// and inpod-waitready (Agent, Controller, WaitReady; BuildImages), and,
+// through cmd/inpod-release (make images, make release), the chart packaged
+// with a values file that pins those images by digest. The end-to-end
+// harness (e2e/) takes the shipped images from here, and builds its own
+// test images with this package's generic builder: Go binaries built from
+// this repository (GoBinary) and, for the agent, the iptables tools copied
+// from the build machine's Debian packages (HostFiles) become one layer
+// (Layer), written (Write) as an image tarball in the docker-archive format
+// (`docker save`'s) that containerd imports (`ctr images import`),
+// `docker load` reads and `crane push` pushes with the same digest.
 //
 // The images are reproducible: the layer's entries are sorted, owned by
 // root and dated at the epoch, the config carries no creation time, and the
