@@ -130,9 +130,9 @@ test-fuzz: ## [check] every fuzz target for 20000 inputs (the bounded run in mak
 	@$(MAKE) --no-print-directory fuzz FUZZTIME=20000x
 
 # Binaries for the Kubernetes tiers, built once and cached by version.
-K8S_ENV = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh) INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh)
-# A node for a person also gets kubectl.
-K8S_ENV_PERSON = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh kubectl) INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh)
+# kubectl: two e2e tests apply and exec with it, and the person at the node uses it.
+K8S_ENV = INPOD_K8S_BIN_DIR=$$(hack/k8s-bins.sh kubectl) INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh)
+K8S_ENV_PERSON = $(K8S_ENV)
 
 tagged_pkgs = $(shell grep -rl --include='*_test.go' '^//go:build $(1)' . | xargs -r -n1 dirname | sort -u)
 

@@ -5,9 +5,9 @@
 # of the same version fast too). Prints the bin directory on stdout.
 #
 # Usage: hack/k8s-bins.sh [kubectl]
-# The tests need the control plane, the kubelet and etcd only; kubectl is
-# built when asked for (make demo, make cluster-up: for the person at the
-# node), so a cold make test does not pay for it.
+# The control plane, the kubelet and etcd always; kubectl when asked for
+# (the Makefile asks: two e2e tests and the person at the node use it).
+# kube-proxy is not built: the node runs none.
 set -euo pipefail
 
 K8S_VERSION=v1.37.2

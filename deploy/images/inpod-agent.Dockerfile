@@ -1,6 +1,6 @@
 # The inpod-agent image for people who build with Docker:
 #   docker build -f deploy/images/inpod-agent.Dockerfile -t inpod-agent:dev .
-# `make images` builds the same layout without Docker (e2e/images), which
+# `make images` builds the same layout without Docker (release/), which
 # the tests and the demo use; this file is not used by any test.
 FROM golang:1.26-bookworm AS build
 WORKDIR /src

@@ -1,6 +1,6 @@
 # The inpod-controller image (taint mode) for people who build with Docker:
 #   docker build -f deploy/images/inpod-controller.Dockerfile -t inpod-controller:dev .
-# `make images` builds the same image without Docker (e2e/images), which
+# `make images` builds the same image without Docker (release/), which
 # the tests use; this file is not used by any test.
 FROM golang:1.26-bookworm AS build
 WORKDIR /src

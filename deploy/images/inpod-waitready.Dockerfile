@@ -1,7 +1,7 @@
 # The inpod-waitready image (the init container of gate value initcontainer)
 # for people who build with Docker:
 #   docker build -f deploy/images/inpod-waitready.Dockerfile -t inpod-waitready:dev .
-# `make images` builds the same image without Docker (e2e/images), which
+# `make images` builds the same image without Docker (release/), which
 # the tests use; this file is not used by any test.
 FROM golang:1.26-bookworm AS build
 WORKDIR /src

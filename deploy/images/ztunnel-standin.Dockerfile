@@ -2,7 +2,7 @@
 # socket for inpod's demo and tests; it proxies nothing. Never deploy it
 # beside a real ztunnel.
 #   docker build -f deploy/images/ztunnel-standin.Dockerfile -t ztunnel-standin:dev .
-# `make images` builds the same image without Docker; no test uses this file.
+# The demo and the e2e tests build the same image without Docker (e2e/images); no test uses this file.
 FROM golang:1.26-bookworm AS build
 WORKDIR /src
 COPY go.mod go.sum ./
