@@ -615,3 +615,12 @@ func TestConnectionDyingBehindADepartedCallerFailsTheQueuedOne(t *testing.T) {
 		t.Fatal("the new connection's ztunnel does not run uid-third")
 	}
 }
+
+func TestNotReadyReasonNamesTheConnectionsOnlyWhenNotReady(t *testing.T) {
+	if r := (zds.State{Ready: true, Connections: 1}).NotReadyReason(); r != "" {
+		t.Errorf("ready: reason %q", r)
+	}
+	if r := (zds.State{Connections: 2}).NotReadyReason(); !strings.Contains(r, "2 connections") {
+		t.Errorf("not ready: reason %q does not count the connections", r)
+	}
+}

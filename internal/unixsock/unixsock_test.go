@@ -98,12 +98,7 @@ func TestServeKeepsAcceptingWhileAHandlerIsBusy(t *testing.T) {
 // A client that connects after Listen and before Serve is answered once
 // serving starts; a second Listen keeps the same socket.
 func TestSocketListenedEarlyAnswersWhatConnectedBeforeServe(t *testing.T) {
-	dir, err := os.MkdirTemp("", "unixsock-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
-	path := filepath.Join(dir, "s.sock")
+	path := filepath.Join(testkit.ShortTempDir(t, "unixsock-"), "s.sock")
 	s := unixsock.NewSocket("unix", path, slog.New(slog.NewTextHandler(io.Discard, nil)), "listening")
 	if err := s.Listen(); err != nil {
 		t.Fatal(err)
@@ -140,12 +135,7 @@ func TestSocketListenedEarlyAnswersWhatConnectedBeforeServe(t *testing.T) {
 }
 
 func TestSocketServeListensWhenNobodyDid(t *testing.T) {
-	dir, err := os.MkdirTemp("", "unixsock-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
-	path := filepath.Join(dir, "s.sock")
+	path := filepath.Join(testkit.ShortTempDir(t, "unixsock-"), "s.sock")
 	s := unixsock.NewSocket("unix", path, slog.New(slog.NewTextHandler(io.Discard, nil)), "listening")
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
