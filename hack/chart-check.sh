@@ -234,7 +234,16 @@ done
 if grep -q 'ghcr.io/inpod-dev/[a-z-]*:' <<<"$out"; then echo "images by digest: an image is still referenced by tag" >&2; exit 1; fi
 out=$("$helm" template inpod "$chart" -n inpod-system -f <(printf 'agent:\n  image:\n    digest: null\n') --set agent.image.tag=v9)
 grep -qF 'image: "ghcr.io/inpod-dev/inpod-agent:v9"' <<<"$out" || { echo "values without agent.image.digest do not render the image by tag" >&2; exit 1; }
-echo "chart: images by digest when one is set, else by tag"
+# A tag over a digest (helm upgrade --reuse-values --set agent.image.tag=
+# on an install pinned by values-release.yaml) is refused, not ignored.
+for img in agent.image controller.image initContainer.image; do
+  if out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={initcontainer}' --set controller.enabled=true \
+    --set $img.digest=$digest --set $img.tag=v9 2>&1); then
+    echo "$img: a tag and a digest together render (the tag would be ignored)" >&2; exit 1
+  fi
+  grep -qF -- "$img.digest=\"\"" <<<"$out" || { echo "$img: a tag with a digest is refused without saying how to run the tag:" >&2; echo "$out" >&2; exit 1; }
+done
+echo "chart: images by digest when one is set, else by tag; never a tag that would be ignored"
 
 refuse() { # want-in-message, helm args...
   local want=$1; shift

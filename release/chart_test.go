@@ -48,8 +48,9 @@ func TestValuesPinEveryImage(t *testing.T) {
 	}
 	for _, b := range fakeBuilt("dev") {
 		got := vals[b.Values].Image
-		if len(got) != 2 || got["repository"] != b.Repository || got["digest"] != b.Digest.String() {
-			t.Errorf("%s.image = %v, want repository %s and digest %s only", b.Values, got, b.Repository, b.Digest)
+		tag, cleared := got["tag"]
+		if len(got) != 3 || got["repository"] != b.Repository || got["digest"] != b.Digest.String() || !cleared || tag != "" {
+			t.Errorf("%s.image = %v, want repository %s, digest %s and the tag cleared only", b.Values, got, b.Repository, b.Digest)
 		}
 	}
 }
@@ -97,7 +98,13 @@ func TestPackagedChartPinsTheImages(t *testing.T) {
 	if err := os.WriteFile(vals, release.Values(fakeBuilt("v1.2.3")), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	out, err := exec.Command(helm, "template", "x", first, "-f", vals, "--set", "gates={initcontainer}", "--set", "controller.enabled=true").CombinedOutput()
+	// Over an install by tag (helm upgrade --reuse-values -f): the old tags
+	// come first, as the reused values do, and the file clears them.
+	byTag := filepath.Join(dir, "by-tag.yaml")
+	if err := os.WriteFile(byTag, []byte("agent: {image: {tag: v1.0.0}}\ncontroller: {image: {tag: v1.0.0}}\ninitContainer: {image: {tag: v1.0.0}}\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(helm, "template", "x", first, "-f", byTag, "-f", vals, "--set", "gates={initcontainer}", "--set", "controller.enabled=true").CombinedOutput()
 	if err != nil {
 		t.Fatalf("helm template: %v: %s", err, out)
 	}

@@ -16,12 +16,18 @@ app.kubernetes.io/name: inpod
 app.kubernetes.io/component: agent
 {{- end }}
 
-{{/* An image reference from its values (list <image values> $): by
-digest when one is set (repository@digest, the tag unused), else by tag
-(default the chart's appVersion). */}}
+{{/* An image reference from its values (list <image values> $ <values
+path>): by digest when one is set (repository@digest), else by tag (default
+the chart's appVersion). Both set is refused: an install pinned by digest
+(values-release.yaml) upgraded with --reuse-values --set <path>.tag=<new>
+would otherwise keep running the old image without a word. */}}
 {{- define "inpod.image" -}}
 {{- $image := index . 0 }}
 {{- $ := index . 1 }}
+{{- $path := index . 2 }}
+{{- if and $image.digest $image.tag }}
+{{- fail (printf "%s.tag (%s) and %s.digest are both set, and the digest would win: the tag would be ignored. To run that tag, also set %s.digest=\"\"; to run a release, pass its values-release.yaml with -f (it sets the digest)" $path $image.tag $path $path) }}
+{{- end }}
 {{- if $image.digest }}
 {{- printf "%s@%s" $image.repository $image.digest }}
 {{- else }}
@@ -30,7 +36,7 @@ digest when one is set (repository@digest, the tag unused), else by tag
 {{- end }}
 
 {{- define "inpod.agentImage" -}}
-{{ include "inpod.image" (list .Values.agent.image $) }}
+{{ include "inpod.image" (list .Values.agent.image $ "agent.image") }}
 {{- end }}
 
 {{/* The ServiceAccount of the agent, as the API server names its user. */}}
@@ -39,7 +45,7 @@ system:serviceaccount:{{ .Release.Namespace }}:inpod-agent
 {{- end }}
 
 {{- define "inpod.controllerImage" -}}
-{{ include "inpod.image" (list .Values.controller.image $) }}
+{{ include "inpod.image" (list .Values.controller.image $ "controller.image") }}
 {{- end }}
 
 {{/* The startup taint as inpod-controller's --taint spells it. */}}
@@ -174,7 +180,7 @@ for the request, the readiness gate, or both. */}}
 {{- end }}
 
 {{- define "inpod.waitReadyImage" -}}
-{{ include "inpod.image" (list .Values.initContainer.image $) }}
+{{ include "inpod.image" (list .Values.initContainer.image $ "initContainer.image") }}
 {{- end }}
 
 {{/* A map of resource quantities as a CEL map literal of strings. */}}
