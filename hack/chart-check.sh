@@ -283,7 +283,88 @@ refuse "certManager.enabled" --set enrollment.autoRequest.mode=webhook --set con
 refuse "caBundle" --set enrollment.autoRequest.mode=webhook --set controller.enabled=true --set 'enrollment.autoRequest.webhook.caBundle=-----BEGIN'
 refuse "timeoutSeconds" --set enrollment.autoRequest.mode=webhook --set controller.enabled=true --set enrollment.autoRequest.webhook.certManager.enabled=true --set enrollment.autoRequest.webhook.timeoutSeconds=31
 refuse "metrics.service.enabled" --set metrics.service.enabled=false --set metrics.serviceMonitor.enabled=true
+refuse "agent/appArmorProfile/type" --set agent.appArmorProfile.type=unconfined
+refuse "localhostProfile" --set agent.appArmorProfile.type=Localhost
+refuse "seLinuxOptions" --set controller.seLinuxOptions.kind=spc_t
+refuse "maxUnavailable" --set controller.podDisruptionBudget.maxUnavailable=0
+refuse "autoscaler" --set autoscaler=gke
 echo "chart: the schema refuses wrong values, naming them"
+
+# What the cluster must serve (templates/checks.yaml). Offline (helm
+# template) by --kube-version; live (helm install) by the kinds the cluster
+# lists, which --api-versions v1/Pod stands for here.
+wh135=(--kube-version 1.35 --set enrollment.autoRequest.mode=webhook --set controller.enabled=true --set enrollment.autoRequest.webhook.caBundle=Q0E=)
+refuse "Kubernetes v1.35 does not serve admissionregistration.k8s.io/v1 MutatingAdmissionPolicy" --kube-version 1.35
+refuse "set enrollment.autoRequest.mode=webhook with controller.enabled=true" --kube-version 1.35
+"$helm" template inpod "$chart" -n inpod-system "${wh135[@]}" >/dev/null || { echo "1.35 with mode=webhook does not render" >&2; exit 1; }
+"$helm" lint --strict "$chart" "${wh135[@]}" >/dev/null
+refuse "gate initcontainer" "${wh135[@]}" --set 'gates={initcontainer}'
+refuse "set controller.nodeTaintPolicy.enabled=false" "${wh135[@]}" --set 'gates={node-condition}' --set controller.nodeTaintPolicy.enabled=true
+refuse "incompatible with Kubernetes v1.29" "${wh135[@]/1.35/1.29}"
+refuse "does not serve resource.k8s.io/v1 DeviceClass" "${wh135[@]/1.35/1.33}" --set 'gates={dra}'
+out=$(notes "${wh135[@]}" --set 'gates={dra}')
+grep -qF 'WARNING: Kubernetes v1.35 serves the DeviceClass' <<<"$out" || { echo "gate dra on 1.35: NOTES.txt does not warn of the feature gates" >&2; exit 1; }
+if notes --set 'gates={dra}' | grep -qF 'WARNING'; then echo "gate dra on 1.37: NOTES.txt warns" >&2; exit 1; fi
+live=(--api-versions v1/Pod)
+map=(--api-versions admissionregistration.k8s.io/v1/MutatingAdmissionPolicy)
+refuse "Kubernetes v1.37.0 does not serve admissionregistration.k8s.io/v1 MutatingAdmissionPolicy" "${live[@]}"
+"$helm" template inpod "$chart" -n inpod-system "${live[@]}" "${map[@]}" >/dev/null || { echo "a live cluster serving MutatingAdmissionPolicy: the defaults do not render" >&2; exit 1; }
+refuse "does not serve resource.k8s.io/v1 DeviceClass" "${live[@]}" "${map[@]}" --set 'gates={dra}'
+"$helm" template inpod "$chart" -n inpod-system "${live[@]}" "${map[@]}" --api-versions resource.k8s.io/v1/DeviceClass --set 'gates={dra}' >/dev/null ||
+  { echo "a live cluster serving DeviceClass: gate dra does not render" >&2; exit 1; }
+refuse "needs cert-manager" "${live[@]}" "${map[@]}" "${wh[@]}" --set enrollment.autoRequest.webhook.certManager.enabled=true
+"$helm" template inpod "$chart" -n inpod-system "${live[@]}" "${map[@]}" "${wh[@]}" --set enrollment.autoRequest.webhook.certManager.enabled=true \
+  --api-versions cert-manager.io/v1/Certificate >/dev/null || { echo "a live cluster with cert-manager: mode=webhook with cert-manager does not render" >&2; exit 1; }
+refuse "needs the Prometheus operator" "${live[@]}" "${map[@]}" --set metrics.serviceMonitor.enabled=true
+echo "chart: refuses, naming the value to set instead, what the cluster (its version, or its APIs when live) does not serve"
+
+# Autoscalers: the startup taint each one waits out, unless the key is set;
+# Karpenter refused with a gate it cannot scale for.
+for pair in none=inpod.dev/not-ready karpenter=readiness.k8s.io/inpod-redirection \
+  cluster-autoscaler=startup-taint.cluster-autoscaler.kubernetes.io/inpod-redirection; do
+  args=(--set autoscaler=${pair%%=*} --set 'gates={node-condition}' --set controller.enabled=true --set controller.nodeTaintPolicy.enabled=true)
+  out=$("$helm" template inpod "$chart" -n inpod-system "${args[@]}")
+  for want in "--taint=${pair#*=}:NoSchedule" "key: \"${pair#*=}\", effect: \"NoSchedule\"" "- key: ${pair#*=}"; do
+    grep -qF -- "$want" <<<"$out" || { echo "autoscaler=${pair%%=*}: rendered chart lacks $want" >&2; exit 1; }
+  done
+  "$helm" lint --strict "$chart" "${args[@]}" >/dev/null
+done
+out=$("$helm" template inpod "$chart" -n inpod-system --set autoscaler=karpenter --set 'gates={node-condition}' --set controller.enabled=true --set controller.taint.key=example.com/mine)
+grep -qF -- "--taint=example.com/mine:NoSchedule" <<<"$out" || { echo "autoscaler=karpenter overrides a controller.taint.key that is set" >&2; exit 1; }
+if "$helm" template inpod "$chart" -n inpod-system -f <(printf 'controller:\n  enabled: true\n  taint: {key: inpod.dev/not-ready, effect: NoSchedule}\nautoscaler: null\n') --set 'gates={node-condition}' |
+  grep -qF -- '--taint=inpod.dev/not-ready:NoSchedule'; then :; else echo "an older release's values (no autoscaler) change the taint" >&2; exit 1; fi
+refuse "karpenter issue 751" --set autoscaler=karpenter
+refuse "autoscaler=karpenter with gate dra" --set autoscaler=karpenter --set 'gates={dra}'
+"$helm" template inpod "$chart" -n inpod-system --set autoscaler=karpenter --set 'gates={deviceplugin}' --set enrollment.autoRequest.enabled=false >/dev/null ||
+  { echo "autoscaler=karpenter refused without the resource request (nothing asks for the resource)" >&2; exit 1; }
+out=$(notes --set autoscaler=cluster-autoscaler)
+grep -qF 'k8s.io/cluster-autoscaler/node-template/resources/inpod.dev/redirection=' <<<"$out" || { echo "autoscaler=cluster-autoscaler: NOTES.txt lacks the node-template resource" >&2; exit 1; }
+out=$(notes --set autoscaler=karpenter --set 'gates={node-condition}' --set controller.enabled=true --set controller.nodeTaintPolicy.enabled=true)
+grep -qF 'readiness.k8s.io/inpod-redirection:NoSchedule is one karpenter waits out' <<<"$out" || { echo "autoscaler=karpenter: NOTES.txt does not name the startup taint" >&2; echo "$out" >&2; exit 1; }
+echo "chart: each autoscaler gets a startup taint it waits out; Karpenter refused with the gates it cannot scale for"
+
+# Platform options: SELinux and AppArmor per container, the controller's
+# PodDisruptionBudget and zone spread, the quota for critical pods.
+out=$("$helm" template inpod "$chart" -n inpod-system --set controller.enabled=true --set 'gates={node-condition}' --set agent.seLinuxOptions.type=spc_t \
+  --set agent.appArmorProfile.type=Unconfined --set controller.seLinuxOptions.type=spc_t --set resourceQuota.enabled=true)
+agent=$(sed -n '/^kind: DaemonSet/,/^---/p' <<<"$out")
+ctrl=$(sed -n '/^kind: Deployment/,/^---/p' <<<"$out")
+for want in 'seLinuxOptions:' 'type: spc_t' 'appArmorProfile:' 'type: Unconfined'; do
+  grep -qF -- "$want" <<<"$agent" || { echo "agent: rendered DaemonSet lacks $want" >&2; exit 1; }
+done
+grep -qF 'type: spc_t' <<<"$ctrl" || { echo "controller: rendered Deployment lacks its seLinuxOptions" >&2; exit 1; }
+if grep -qF 'appArmorProfile' <<<"$ctrl"; then echo "controller: renders an appArmorProfile it was not given" >&2; exit 1; fi
+for want in 'topologyKey: topology.kubernetes.io/zone' 'whenUnsatisfiable: ScheduleAnyway'; do
+  grep -qF -- "$want" <<<"$ctrl" || { echo "controller: rendered Deployment lacks $want" >&2; exit 1; }
+done
+for want in 'kind: PodDisruptionBudget' 'maxUnavailable: 1' 'kind: ResourceQuota' 'scopeName: PriorityClass' 'values: ["system-node-critical","system-cluster-critical"]' 'pods: "5000"'; do
+  grep -qF -- "$want" <<<"$out" || { echo "rendered chart lacks $want" >&2; exit 1; }
+done
+out=$("$helm" template inpod "$chart" -n inpod-system)
+if grep -q 'seLinuxOptions\|appArmorProfile\|kind: PodDisruptionBudget\|kind: ResourceQuota' <<<"$out"; then
+  echo "the defaults render a security option, a PodDisruptionBudget without the controller, or a quota" >&2; exit 1
+fi
+echo "chart: SELinux and AppArmor options, the controller's disruption budget and spread, the critical-pod quota"
 
 # The chart's README: every value documented, values.yaml and the schema
 # agreeing, and the committed file what make chart-docs writes.

@@ -38,15 +38,26 @@ fi
 # that `make generate` reproduces the committed code byte for byte.
 mkdir -p "$repo/bin"
 protobuf_version=$(cd "$repo" && go list -m -f '{{.Version}}' google.golang.org/protobuf)
-install_tool() { # name package@version
-  local stamp="$repo/bin/.$1-${2##*@}"
+install_tool() { # name package@version [ldflags]
+  local stamp="$repo/bin/.$1-${2##*@}${3:+-$(cksum <<<"$3" | cut -d' ' -f1)}"
   if [ ! -x "$repo/bin/$1" ] || [ ! -e "$stamp" ]; then
     echo "installing $2" >&2
-    GOBIN="$repo/bin" go install "$2"
+    GOBIN="$repo/bin" go install ${3:+-ldflags "$3"} "$2"
     rm -f "$repo/bin/.$1-"*; touch "$stamp"
   fi
 }
 install_tool protoc-gen-go "google.golang.org/protobuf/cmd/protoc-gen-go@$protobuf_version"
 install_tool staticcheck "honnef.co/go/tools/cmd/staticcheck@v0.8.2"
-install_tool helm "helm.sh/helm/v3/cmd/helm@v3.22.0"
+# helm as its release binaries are built: its version, and the Kubernetes
+# version helm template assumes without --kube-version, its client-go's (a
+# plain go install says 1.20, which the chart's kubeVersion refuses).
+helm_version=v3.22.0
+helm_gomod=$(go mod download -json "helm.sh/helm/v3@$helm_version" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",*$/\1/p')
+k8s_minor=$(sed -n 's/^[[:space:]]*k8s.io\/client-go v0\.\([0-9]*\)\..*/\1/p' "$helm_gomod")
+[ -n "$k8s_minor" ] || { echo "cannot read helm $helm_version's client-go version from $helm_gomod" >&2; exit 1; }
+helm_ldflags="-X helm.sh/helm/v3/internal/version.version=$helm_version"
+for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
+  helm_ldflags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$k8s_minor"
+done
+install_tool helm "helm.sh/helm/v3/cmd/helm@$helm_version" "$helm_ldflags"
 install_tool golangci-lint "github.com/golangci/golangci-lint/v2/cmd/golangci-lint@v2.15.0"

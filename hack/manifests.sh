@@ -27,7 +27,7 @@ render() { # out-dir
       "$helm" template inpod "$chart" -n inpod-system --set 'gates={deviceplugin,dra,node-condition}' --show-only "templates/rbac-$c.yaml" | sed '1{/^---$/d}'
     } >"$out/rbac/$c.yaml"
   done
-  for t in rbac deployment node-taint-policy; do
+  for t in rbac deployment pdb node-taint-policy; do
     {
       echo "${header/default values/controller.enabled, controller.nodeTaintPolicy.enabled}"
       "$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}' \
@@ -46,7 +46,7 @@ if [ "${1:-}" = --check ]; then
   tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
   render "$tmp"
   stale=0
-  for f in manifests/inpod.yaml rbac/agent.yaml rbac/plugin.yaml controller/rbac.yaml controller/deployment.yaml controller/node-taint-policy.yaml initcontainer/policy.yaml; do
+  for f in manifests/inpod.yaml rbac/agent.yaml rbac/plugin.yaml controller/rbac.yaml controller/deployment.yaml controller/pdb.yaml controller/node-taint-policy.yaml initcontainer/policy.yaml; do
     if ! diff -u "deploy/$f" "$tmp/$f"; then stale=1; fi
   done
   if [ $stale = 1 ]; then

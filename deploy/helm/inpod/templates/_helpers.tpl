@@ -48,9 +48,16 @@ system:serviceaccount:{{ .Release.Namespace }}:inpod-agent
 {{ include "inpod.image" (list .Values.controller.image $ "controller.image") }}
 {{- end }}
 
+{{/* The startup taint's key: controller.taint.key, or the one the
+autoscaler waits out as a startup taint (values.yaml, autoscaler). */}}
+{{- define "inpod.taintKey" -}}
+{{- $byAutoscaler := dict "karpenter" "readiness.k8s.io/inpod-redirection" "cluster-autoscaler" "startup-taint.cluster-autoscaler.kubernetes.io/inpod-redirection" }}
+{{- .Values.controller.taint.key | default (get $byAutoscaler (.Values.autoscaler | default "none")) | default "inpod.dev/not-ready" }}
+{{- end }}
+
 {{/* The startup taint as inpod-controller's --taint spells it. */}}
 {{- define "inpod.controllerTaint" -}}
-{{ .Values.controller.taint.key }}:{{ .Values.controller.taint.effect }}
+{{ include "inpod.taintKey" . }}:{{ .Values.controller.taint.effect }}
 {{- end }}
 
 {{/* The mesh nodes: agent.nodeSelector merged with controller.nodeSelector
