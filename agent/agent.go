@@ -401,7 +401,8 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	p.pipeline = enroll.New(enroll.Config{
 		Records:     p.records,
 		Policy:      policy,
-		Rules:       podRules{engine, redirect.Options{DNSCapture: cfg.DNSCapture}},
+		Rules:       podRules{engine},
+		VariantOf:   variantOf(enroll.Variant{DNSCapture: cfg.DNSCapture}, a.log),
 		Probes:      p.probes,
 		Ztunnel:     ztunnelRef{&p.zds},
 		Pods:        p.pods,
@@ -411,7 +412,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		Observer:    a.Metrics,
 		Logger:      a.log,
 
-		Listeners:      newZtunnelListeners(cfg.DNSCapture),
+		Listeners:      ztunnelListeners{},
 		Acks:           ztunnelRef{&p.zds},
 		Conditions:     p.conditions,
 		VerifyObserver: a.Metrics,
@@ -784,15 +785,12 @@ func (a *Agent) refreshPassList(l *passlist.List, key types.NamespacedName) {
 	}
 }
 
-// podRules applies the agent's options on every Apply, so the pipeline
-// needs nothing of package redirect.
-type podRules struct {
-	*redirect.Engine
-	opts redirect.Options
-}
+// podRules turns a pod's variant into the engine's options, so the
+// pipeline needs nothing of package redirect.
+type podRules struct{ *redirect.Engine }
 
-func (r podRules) Apply(ns *os.File) (changed bool, err error) {
-	res, err := r.Engine.Apply(ns, r.opts)
+func (r podRules) Apply(ns *os.File, v enroll.Variant) (changed bool, err error) {
+	res, err := r.Engine.Apply(ns, redirect.Options{DNSCapture: v.DNSCapture, NoInboundCapture: v.NoInboundCapture})
 	return res.Changed, err
 }
 

@@ -106,9 +106,9 @@ func agentWithEnrolled(t *testing.T, pod *corev1.Pod) (*Agent, *enroll.Pipeline)
 
 type noRules struct{}
 
-func (noRules) Apply(*os.File) (bool, error)   { return true, nil }
-func (noRules) Present(*os.File) (bool, error) { return false, nil }
-func (noRules) Remove(*os.File) (bool, error)  { return true, nil }
+func (noRules) Apply(*os.File, enroll.Variant) (bool, error) { return true, nil }
+func (noRules) Present(*os.File) (bool, error)               { return false, nil }
+func (noRules) Remove(*os.File) (bool, error)                { return true, nil }
 
 type noProbes struct{}
 

@@ -172,19 +172,21 @@ func (z *ztunnelPresence) presence() enroll.ZtunnelPresence {
 }
 
 // ztunnelListeners are the listeners ztunnel binds in every pod it proxies
-// (Istio's ports), with DNS capture its DNS proxy's too.
-type ztunnelListeners struct{ ports []uint16 }
+// (Istio's ports), and its DNS proxy's in a pod whose DNS it captures: a
+// pod opted out of DNS capture needs no DNS proxy, whether ztunnel runs
+// one or not.
+type ztunnelListeners struct{}
 
-func newZtunnelListeners(dns bool) ztunnelListeners {
+func (ztunnelListeners) ports(v enroll.Variant) []uint16 {
 	ports := []uint16{redirect.PortOutbound, redirect.PortInbound, redirect.PortHBONE}
-	if dns {
+	if v.DNSCapture {
 		ports = append(ports, redirect.PortDNS)
 	}
-	return ztunnelListeners{ports: ports}
+	return ports
 }
 
-func (l ztunnelListeners) Missing(ns *os.File) ([]uint16, error) {
-	return redirect.Listening(ns, l.ports)
+func (l ztunnelListeners) Missing(ns *os.File, v enroll.Variant) ([]uint16, error) {
+	return redirect.Listening(ns, l.ports(v))
 }
 
 // rulesGeneration is what tells the verifier that no nf_tables table of a

@@ -73,12 +73,13 @@ func TestZtunnelPresenceGivesAGraceThenConcludes(t *testing.T) {
 	testkit.Eventually(t, 5*time.Second, "the grace to end", func() bool { return z.presence() == enroll.ZtunnelAway })
 }
 
-// The ports checked are ztunnel's, with its DNS proxy's under DNS capture.
+// The ports checked are ztunnel's, with its DNS proxy's for a pod whose
+// DNS is captured.
 func TestZtunnelListenersFollowDNSCapture(t *testing.T) {
-	if got := newZtunnelListeners(false).ports; len(got) != 3 {
+	if got := (ztunnelListeners{}).ports(enroll.Variant{}); len(got) != 3 {
 		t.Fatalf("ports without DNS capture = %v", got)
 	}
-	if got := newZtunnelListeners(true).ports; len(got) != 4 || got[3] != 15053 {
+	if got := (ztunnelListeners{}).ports(enroll.Variant{DNSCapture: true, NoInboundCapture: true}); len(got) != 4 || got[3] != 15053 {
 		t.Fatalf("ports with DNS capture = %v", got)
 	}
 }

@@ -225,7 +225,11 @@ func TestE2EMission(t *testing.T) {
 			return allocatable(ctx, node, gateResource) == 0
 		})
 		t.Logf("ztunnel gone → the scheduler sees the gate closed (deviceplugin: Node allocatable 0): %s", closed.Round(10*time.Millisecond))
-		c.create(t, testAppPod("mesh", "waiting"))
+		// Opted out of DNS capture, as Istio's annotation says: the
+		// chart captures DNS by default.
+		waitingPod := testAppPod("mesh", "waiting")
+		waitingPod.Annotations = map[string]string{"ambient.istio.io/dns-capture": "false"}
+		c.create(t, waitingPod)
 		testkit.Eventually(t, time.Minute, "a new enrolled pod Pending", func() bool {
 			return unschedulableFor(ctx, node, "mesh", "waiting", string(gateResource))
 		})
@@ -235,6 +239,12 @@ func TestE2EMission(t *testing.T) {
 		c.standInUp(t)
 		waiting := waitReady(t, ctx, node, "mesh", "waiting")
 		c.enrolled(t, waiting)
+		if rules := netnsRuleset(t, podNetns(t, waiting.Status.PodIP)); strings.Contains(rules, "15053") || !strings.Contains(rules, "15001") {
+			t.Fatalf("the pod opted out of DNS capture has DNS rules, or no outbound rules:\n%s", rules)
+		}
+		if rules := netnsRuleset(t, podNetns(t, app.Status.PodIP)); !strings.Contains(rules, "15053") {
+			t.Fatalf("the enrolled pod without the annotation has no DNS rules (the chart's default captures DNS):\n%s", rules)
+		}
 		// The new ztunnel got the running pod in its snapshot: it answers
 		// in the pod again.
 		c.inbound(t, app)

@@ -170,7 +170,7 @@ func (p *Pipeline) Check(ctx context.Context, req *cnievent.Request) (cnievent.O
 		e.containerID = req.ContainerID
 		p.mu.Unlock()
 	}
-	changed, err := p.cfg.Rules.Apply(e.netns)
+	changed, err := p.cfg.Rules.Apply(e.netns, e.variant)
 	if err != nil {
 		return cnievent.Failed, fmt.Errorf("verify rules: %w", err)
 	}

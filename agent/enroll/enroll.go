@@ -75,7 +75,11 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	// would keep rules that no entry names, and a pod that then left the
 	// mesh would be black-holed.
 	loss, lossDetail := "", ""
-	changed, err := p.cfg.Rules.Apply(sb.netns)
+	var variant Variant
+	if p.cfg.VariantOf != nil {
+		variant = p.cfg.VariantOf(pod)
+	}
+	changed, err := p.cfg.Rules.Apply(sb.netns, variant)
 	rb.rulesWritten = changed
 	if changed && sb.unrecorded {
 		p.ranUnredirected(pod)
@@ -103,7 +107,7 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 		rb.exempted = append(rb.exempted, ip)
 	}
 	info := zds.Workload{UID: string(pod.UID), Name: pod.Name, Namespace: pod.Namespace, ServiceAccount: pod.Spec.ServiceAccountName, NetNS: sb.netns}
-	ne := &entry{pod: key, netns: sb.netns, id: id, containerID: sb.containerID, sandboxUID: SandboxUID(pod), ips: sb.ips, info: info,
+	ne := &entry{pod: key, variant: variant, netns: sb.netns, id: id, containerID: sb.containerID, sandboxUID: SandboxUID(pod), ips: sb.ips, info: info,
 		checkedAt: time.Now(), gated: enrollment.HasRedirectedGate(pod)}
 	if old != nil && sameSandbox {
 		// The pod's condition as this agent last set it.

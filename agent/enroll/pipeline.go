@@ -21,10 +21,10 @@ import (
 // The pipeline's collaborators, as it uses them.
 type (
 	// Rules installs and removes the in-pod rules (the agent's
-	// redirect.Engine, with its options). Apply reports changed false when
-	// everything was already in place.
+	// redirect.Engine), in the pod's own variant. Apply reports changed
+	// false when everything was already in place.
 	Rules interface {
-		Apply(ns *os.File) (changed bool, err error)
+		Apply(ns *os.File, v Variant) (changed bool, err error)
 		Remove(ns *os.File) (bool, error)
 		// Present says whether the netns holds inpod's netfilter rules
 		// (not the policy route, which has Istio's values).
@@ -93,14 +93,32 @@ type (
 	}
 )
 
+// Variant is one pod's variant of the redirection, as the agent decides it
+// from the pod (Config.VariantOf). It is fixed when the pod's sandbox is
+// enrolled (its CNI ADD, a reconcile, the agent's start): an edit of the
+// pod's annotations changes a running pod's rules only then, as Istio's
+// node agent does.
+type Variant struct {
+	// DNSCapture: the pod's DNS goes to ztunnel's DNS proxy, whose
+	// listener then proves the redirection too.
+	DNSCapture bool
+	// NoInboundCapture: only outbound traffic is redirected (Istio's
+	// ingress mode).
+	NoInboundCapture bool
+}
+
 // Config wires a Pipeline.
 type Config struct {
-	Policy  enrollment.Policy
-	Rules   Rules
-	Probes  ProbeSet
-	Ztunnel Ztunnel
-	Pods    Pods
-	Finder  NetnsFinder
+	Policy enrollment.Policy
+	Rules  Rules
+	// VariantOf decides a pod's variant of the redirection from the pod
+	// (the node's defaults, and the pod's annotations that override them).
+	// Nil: the zero Variant for every pod.
+	VariantOf func(*corev1.Pod) Variant
+	Probes    ProbeSet
+	Ztunnel   Ztunnel
+	Pods      Pods
+	Finder    NetnsFinder
 	// SandboxCheckEvery is how old a pod's last sandbox check may get
 	// before a reconcile looks again without any sign of a change
 	// (default DefaultSandboxCheckEvery).
@@ -177,9 +195,12 @@ type podLock struct {
 }
 
 type entry struct {
-	pod   types.NamespacedName
-	netns *os.File
-	id    netns.Identity
+	pod types.NamespacedName
+	// variant is the pod's, decided when this sandbox was enrolled: the
+	// rules re-applied and the listeners proved later are those.
+	variant Variant
+	netns   *os.File
+	id      netns.Identity
 	// containerID is the sandbox's, from its CNI ADD; "" when unknown
 	// (enrolled through procfs).
 	containerID string

@@ -168,8 +168,9 @@ type fixture struct {
 	zt  atomic.Int32
 	srv *zds.Server
 	// listeners, when set before startAgent, replaces the verifier's
-	// check of the stand-in's listeners.
+	// check of the stand-in's listeners; variantOf, each pod's variant.
 	listeners enroll.Listeners
+	variantOf func(*corev1.Pod) enroll.Variant
 }
 
 func newFixture(t *testing.T) *fixture {
@@ -212,6 +213,7 @@ func (f *fixture) startAgent(restore func()) {
 	var srv *zds.Server
 	f.p = enroll.New(enroll.Config{
 		Rules:       nftRules{redirect.NewEngine(redirect.NewNFTables())},
+		VariantOf:   f.variantOf,
 		Probes:      f.probes,
 		Ztunnel:     ztunnelRef{s: &srv, failDel: &f.failDel},
 		Pods:        f.cache,
@@ -700,11 +702,11 @@ func TestReconcileRedirectsASandboxRecreatedWithoutItsADD(t *testing.T) {
 }
 
 // nftRules is the agent's rule engine as the pipeline sees it: the real
-// nftables backend with default options.
+// nftables backend, in the pod's variant.
 type nftRules struct{ *redirect.Engine }
 
-func (r nftRules) Apply(ns *os.File) (bool, error) {
-	res, err := r.Engine.Apply(ns, redirect.Options{})
+func (r nftRules) Apply(ns *os.File, v enroll.Variant) (bool, error) {
+	res, err := r.Engine.Apply(ns, redirect.Options{DNSCapture: v.DNSCapture, NoInboundCapture: v.NoInboundCapture})
 	return res.Changed, err
 }
 

@@ -82,7 +82,7 @@ func TestSnapshotFilesOutliveAnUnenroll(t *testing.T) {
 
 type snapshotNoRules struct{}
 
-func (snapshotNoRules) Apply(*os.File) (bool, error) {
+func (snapshotNoRules) Apply(*os.File, enroll.Variant) (bool, error) {
 	return true, nil
 }
 func (snapshotNoRules) Present(*os.File) (bool, error) { return false, nil }

@@ -58,9 +58,10 @@ const (
 // check or report is then skipped).
 type (
 	// Listeners reports which of ztunnel's in-pod listeners a netns lacks
-	// (redirect.Listening with the ports ztunnel binds).
+	// (redirect.Listening with the ports ztunnel binds for a pod of that
+	// variant).
 	Listeners interface {
-		Missing(ns *os.File) ([]uint16, error)
+		Missing(ns *os.File, v Variant) ([]uint16, error)
 	}
 	// ZtunnelAcks says whether the ztunnel connection Adds go to has
 	// acknowledged the pod (zds.Server.Acked).
@@ -274,7 +275,7 @@ func (p *Pipeline) checkRules(e *entry) (changed bool, err error) {
 	if trusted {
 		return false, nil
 	}
-	changed, err = p.cfg.Rules.Apply(e.netns)
+	changed, err = p.cfg.Rules.Apply(e.netns, e.variant)
 	if err != nil {
 		p.mu.Lock()
 		e.rulesGenKnown = false
@@ -310,7 +311,7 @@ func (p *Pipeline) checkListeners(ctx context.Context, e *entry, disruptive bool
 	if p.cfg.Listeners == nil {
 		return "", ""
 	}
-	missing, err := p.cfg.Listeners.Missing(e.netns)
+	missing, err := p.cfg.Listeners.Missing(e.netns, e.variant)
 	if err != nil {
 		return "ListenersUnknown", fmt.Sprintf("could not read the sockets in the pod's netns: %v", err)
 	}
@@ -334,7 +335,7 @@ func (p *Pipeline) checkListeners(ctx context.Context, e *entry, disruptive bool
 	if err := p.cfg.Ztunnel.Add(ctx, e.info); err != nil {
 		return ztunnelReason(err), fmt.Sprintf("%s, and ztunnel could not be asked to start it again: %v", detail, err)
 	}
-	if again, err := p.cfg.Listeners.Missing(e.netns); err != nil || len(again) > 0 {
+	if again, err := p.cfg.Listeners.Missing(e.netns, e.variant); err != nil || len(again) > 0 {
 		p.mu.Lock()
 		e.listenerBackoff = min(max(2*e.listenerBackoff, minListenerBackoff), maxListenerBackoff)
 		e.listenerRetryAt = time.Now().Add(e.listenerBackoff)

@@ -165,7 +165,7 @@ func (c *timedChecks) generation(ns *os.File) (uint32, error) {
 
 type timedRules struct{ c *timedChecks }
 
-func (r timedRules) Apply(ns *os.File) (bool, error) {
+func (r timedRules) Apply(ns *os.File, _ enroll.Variant) (bool, error) {
 	if !r.c.on(modeFull, modeRules) {
 		return false, nil
 	}
@@ -204,7 +204,7 @@ func (a timedAcks) Settled() bool {
 
 type timedListeners struct{ c *timedChecks }
 
-func (l timedListeners) Missing(ns *os.File) ([]uint16, error) {
+func (l timedListeners) Missing(ns *os.File, _ enroll.Variant) ([]uint16, error) {
 	if !l.c.on(modeFull) {
 		return nil, nil
 	}

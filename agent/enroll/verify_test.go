@@ -61,7 +61,7 @@ func (c *conditions) of(uid types.UID) (condition, bool) {
 // standinListeners are the ports the stand-in binds without DNS.
 type standinListeners struct{}
 
-func (standinListeners) Missing(ns *os.File) ([]uint16, error) {
+func (standinListeners) Missing(ns *os.File, _ enroll.Variant) ([]uint16, error) {
 	return redirect.Listening(ns, []uint16{ztunnel.PortOutbound, ztunnel.PortInbound, ztunnel.PortHBONE})
 }
 
@@ -142,7 +142,7 @@ func TestVerifierHandsAPodZtunnelDroppedOverAgain(t *testing.T) {
 	f := newFixture(t)
 	z, _ := f.standin(ztunnel.Config{})
 	pod, sb := f.enrolledRunning("dropped")
-	if missing, err := (standinListeners{}).Missing(sb.Open(t)); err != nil || len(missing) != 0 {
+	if missing, err := (standinListeners{}).Missing(sb.Open(t), enroll.Variant{}); err != nil || len(missing) != 0 {
 		t.Fatalf("listeners missing after the ADD: %v, %v", missing, err)
 	}
 	if err := f.srv.Del(context.Background(), string(pod.UID)); err != nil {
@@ -155,7 +155,7 @@ func TestVerifierHandsAPodZtunnelDroppedOverAgain(t *testing.T) {
 	if _, ok := inZtunnel(z, pod); !ok {
 		t.Fatal("ztunnel does not run the pod after the repair")
 	}
-	if missing, err := (standinListeners{}).Missing(sb.Open(t)); err != nil || len(missing) != 0 {
+	if missing, err := (standinListeners{}).Missing(sb.Open(t), enroll.Variant{}); err != nil || len(missing) != 0 {
 		t.Fatalf("listeners missing after the repair: %v, %v", missing, err)
 	}
 }
@@ -429,7 +429,7 @@ func TestVerifierConcludesNothingWhileZtunnelReconnects(t *testing.T) {
 // without: listeners that no repair brings back.
 type dnsListeners struct{}
 
-func (dnsListeners) Missing(ns *os.File) ([]uint16, error) {
+func (dnsListeners) Missing(ns *os.File, _ enroll.Variant) ([]uint16, error) {
 	return redirect.Listening(ns, []uint16{ztunnel.PortOutbound, ztunnel.PortInbound, ztunnel.PortHBONE, ztunnel.PortDNS})
 }
 
@@ -497,7 +497,7 @@ func TestProbeFailureOnARecreatedSandboxStillHandsItToZtunnel(t *testing.T) {
 	if !hasRules(t, second) {
 		t.Fatal("the verifier did not redirect the recreated sandbox")
 	}
-	if missing, err := (standinListeners{}).Missing(second.Open(t)); err != nil || len(missing) > 0 {
+	if missing, err := (standinListeners{}).Missing(second.Open(t), enroll.Variant{}); err != nil || len(missing) > 0 {
 		t.Errorf("the recreated sandbox has inpod's rules but ztunnel's listeners %v are missing (%v): its traffic is black-holed", missing, err)
 	}
 }

@@ -48,7 +48,7 @@ func run() error {
 	fs.StringVar(&cfg.CNIOwnedFile, "cni-owned-config-file", agent.DefaultCNIOwnedFile, "the CNI configuration file (in --cni-conf-dir, ending .conflist, sorting before the primary's) the agent owns: the primary's chain with inpod-cni last, followed while the agent runs and left in place while it is away, so a primary CNI rewriting its own file cannot take inpod out of the chain; empty: chain inpod-cni into the primary's own file instead")
 	fs.StringVar(&cfg.StateDir, "state-dir", "/var/lib/inpod", "the agent's state on the node (backups of CNI files)")
 	fs.StringVar(&cfg.RedirectBackend, "redirect-backend", "auto", "auto, nftables, iptables-nft or iptables-legacy")
-	fs.BoolVar(&cfg.DNSCapture, "dns-capture", false, "send enrolled pods' DNS to ztunnel's DNS proxy (15053)")
+	fs.BoolVar(&cfg.DNSCapture, "dns-capture", false, "send enrolled pods' DNS to ztunnel's DNS proxy (15053) unless a pod's annotation ambient.istio.io/dns-capture says otherwise (the chart's default, as Istio's since 1.25, is true)")
 	fs.StringVar(&cfg.EnrollmentLabel, "enrollment-label", "istio.io/dataplane-mode", "pod and namespace label whose value ambient enrolls and none opts out")
 	exclude := fs.String("exclude-namespaces", "kube-system", "comma-separated namespaces never enrolled")
 	fs.StringVar(&cfg.ProcRoot, "proc-root", "/proc", "the host's procfs (to find running pods' network namespaces)")

@@ -168,7 +168,9 @@ func StandIn(tag, zdsSocket string) *appsv1.DaemonSet {
 							RunAsUser:    &root,
 							Capabilities: &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}, Add: []corev1.Capability{"SYS_ADMIN", "NET_ADMIN"}},
 						},
-						Env:          []corev1.EnvVar{{Name: "INPOD_UDS", Value: zdsSocket}},
+						// ztunnel's DNS proxy, as Istio runs it by default
+						// since 1.25: the chart captures DNS by default.
+						Env:          []corev1.EnvVar{{Name: "INPOD_UDS", Value: zdsSocket}, {Name: "INPOD_DNS", Value: "true"}},
 						VolumeMounts: []corev1.VolumeMount{{Name: "zds", MountPath: filepath.Dir(zdsSocket)}},
 						Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{
 							corev1.ResourceCPU: resource.MustParse("100m"), corev1.ResourceMemory: resource.MustParse("32Mi")}},

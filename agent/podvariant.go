@@ -1,0 +1,59 @@
+package agent
+
+import (
+	"log/slog"
+	"strconv"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/inpod-dev/inpod/agent/enroll"
+)
+
+// The pod annotations Istio's node agent honours in ambient mode that change
+// a pod's redirection, honoured the same way here (Istio's
+// getPodLevelTrafficOverrides): each a boolean that, when present and
+// valid, overrides the node's default for that pod.
+const (
+	// AnnotationDNSCapture: "false" keeps the pod's DNS out of ztunnel's
+	// DNS proxy on a node that captures DNS; "true" captures it on a node
+	// that does not.
+	AnnotationDNSCapture = "ambient.istio.io/dns-capture"
+	// AnnotationBypassInboundCapture: "true" redirects only the pod's
+	// outbound traffic (Istio's ingress mode, for pods that take traffic
+	// from outside the mesh).
+	AnnotationBypassInboundCapture = "ambient.istio.io/bypass-inbound-capture"
+)
+
+// variantOf decides each pod's variant of the redirection: the node's
+// defaults, overridden by the pod's annotations. A value strconv.ParseBool
+// refuses is ignored with a warning, as Istio ignores it: the pod keeps the
+// node's default, which for inbound capture is the stricter choice.
+//
+// A pod's annotations are its owner's to set, like the enrollment label
+// that can take it out of the mesh altogether: neither can reach another
+// pod's rules.
+func variantOf(defaults enroll.Variant, log *slog.Logger) func(*corev1.Pod) enroll.Variant {
+	return func(pod *corev1.Pod) enroll.Variant {
+		v := defaults
+		if on, ok := boolAnnotation(pod, AnnotationDNSCapture, log); ok {
+			v.DNSCapture = on
+		}
+		if on, ok := boolAnnotation(pod, AnnotationBypassInboundCapture, log); ok {
+			v.NoInboundCapture = on
+		}
+		return v
+	}
+}
+
+func boolAnnotation(pod *corev1.Pod, name string, log *slog.Logger) (value, ok bool) {
+	raw, present := pod.Annotations[name]
+	if !present {
+		return false, false
+	}
+	value, err := strconv.ParseBool(raw)
+	if err != nil {
+		log.Warn("ignoring a pod annotation that is not a boolean; the node's default applies", "pod", pod.Namespace+"/"+pod.Name, "annotation", name, "value", raw)
+		return false, false
+	}
+	return value, true
+}
