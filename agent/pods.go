@@ -58,12 +58,13 @@ func newInformers(client kubernetes.Interface, meta metadata.Interface, node str
 }
 
 // keptPodAnnotations are the only annotations of a pod the agent reads.
-var keptPodAnnotations = []string{enrollment.RedirectionAnnotation, enroll.MirrorAnnotation}
+var keptPodAnnotations = []string{enrollment.RedirectionAnnotation, enroll.MirrorAnnotation, AnnotationDNSCapture, AnnotationBypassInboundCapture}
 
 // trimPod keeps of a pod exactly what the agent reads from its cache:
 //   - the policy (enrollment.Policy): namespace, labels, spec.hostNetwork;
 //   - the pipeline (agent/enroll): name, UID, the redirection and mirror
-//     annotations, spec.serviceAccountName (sent to ztunnel), status.phase,
+//     annotations, Istio's per-pod annotations that choose the pod's
+//     variant (variantOf), spec.serviceAccountName (sent to ztunnel), status.phase,
 //     the pod IPs, and the PodReadyToStartContainers condition (a new
 //     sandbox; see enroll's sandboxMayHaveChanged); events on the pod need
 //     its name, namespace, UID and resourceVersion;
