@@ -66,6 +66,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/inpod-dev/inpod/internal/atomicfile"
+	"github.com/inpod-dev/inpod/internal/latest"
 	"github.com/inpod-dev/inpod/readiness"
 )
 
@@ -157,8 +158,12 @@ type Driver struct {
 	log *slog.Logger
 
 	mu sync.Mutex
-	// ready is what NodePrepareResources follows.
-	ready bool
+	// ready is what NodePrepareResources follows; failing, why not.
+	ready   bool
+	failing []string
+	// health is the device's health as the kubelet's DRAResourceHealth
+	// stream reports it: ready, with the same verdict as ready.
+	health *latest.Value[deviceHealth]
 	// prepared is the checkpointed record (claim UID → namespace/name).
 	prepared map[types.UID]string
 
@@ -206,7 +211,8 @@ func New(cfg Config) (*Driver, error) {
 		log = slog.Default()
 	}
 	return &Driver{cfg: cfg, log: log.With("component", "dra", "driver", cfg.DriverName, "node", cfg.NodeName),
-		fatal: make(chan error, 1), retry: make(chan struct{}, 1), wiped: make(chan struct{}, 1)}, nil
+		fatal: make(chan error, 1), retry: make(chan struct{}, 1), wiped: make(chan struct{}, 1),
+		health: latest.New(deviceHealth{status: kubeletplugin.HealthStatusUnknown, message: "the agent has no readiness verdict yet"})}, nil
 }
 
 // Name is the gate's --gate value.
@@ -254,8 +260,9 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		kubeletplugin.NodeName(d.cfg.NodeName),
 		kubeletplugin.RegistrarDirectoryPath(d.cfg.RegistrarDir),
 		kubeletplugin.PluginDataDirectoryPath(d.cfg.PluginDir),
-		// No per-device health: readiness is what the taint says.
-		kubeletplugin.HealthService(false),
+		// The kubelet's DRAResourceHealth stream: the device's health is
+		// the node's readiness (WatchHealthStatus).
+		kubeletplugin.HealthService(true),
 	)
 	if err != nil {
 		return fmt.Errorf("dra: start the kubelet plugin: %w", err)
@@ -349,7 +356,11 @@ func (d *Driver) sliceSeen() bool {
 func (d *Driver) setReady(st readiness.State) {
 	d.mu.Lock()
 	changed := d.ready != st.Ready
-	d.ready = st.Ready
+	healthChanged := changed || !slices.Equal(d.failing, st.Failing) || d.health.Get().status == kubeletplugin.HealthStatusUnknown
+	d.ready, d.failing = st.Ready, slices.Clone(st.Failing)
+	if healthChanged {
+		d.health.Publish(healthOf(st))
+	}
 	d.mu.Unlock()
 	if changed {
 		if st.Ready {
@@ -591,10 +602,57 @@ func (d *Driver) HandleError(ctx context.Context, err error, msg string) {
 	}
 }
 
-// WatchHealthStatus implements kubeletplugin.DRAPlugin; the health service
-// is off (readiness is what the taint says).
-func (d *Driver) WatchHealthStatus(context.Context, chan<- kubeletplugin.DeviceHealthReport) error {
-	return kubeletplugin.ErrHealthNotSupported
+// deviceHealth is the one device's health: the node's readiness.
+type deviceHealth struct {
+	status  kubeletplugin.HealthStatus
+	message string
+}
+
+func healthOf(st readiness.State) deviceHealth {
+	if st.Ready {
+		return deviceHealth{status: kubeletplugin.HealthStatusHealthy, message: "the node is ready for redirection"}
+	}
+	return deviceHealth{status: kubeletplugin.HealthStatusUnhealthy, message: "the node is not ready for redirection: " + strings.Join(st.Failing, "; ")}
+}
+
+// HealthResendEvery is how often the device's health is reported again
+// unchanged: the kubelet takes a health not refreshed within 30 s for
+// unknown.
+var HealthResendEvery = 10 * time.Second
+
+// WatchHealthStatus implements kubeletplugin.DRAPlugin: the kubelet's
+// DRAResourceHealth stream gets the device's health at once, again on
+// every change of the node's readiness, and every HealthResendEvery.
+//
+// Only containers that name a ResourceClaim show it in their
+// allocatedResourcesStatus: the kubelet (1.37) reports none for a
+// container whose request of the extended resource DRA serves, which is
+// how enrolled pods ask for the device. It is there for such claims, and
+// for the kubelet's own view; the gate itself is the device's taints and
+// NodePrepareResources.
+func (d *Driver) WatchHealthStatus(ctx context.Context, reports chan<- kubeletplugin.DeviceHealthReport) error {
+	changes, cancel := d.health.Subscribe()
+	defer cancel()
+	resend := time.NewTicker(HealthResendEvery)
+	defer resend.Stop()
+	h := <-changes // the current health
+	for {
+		report := kubeletplugin.DeviceHealthReport{Devices: []kubeletplugin.DeviceHealth{{
+			PoolName: d.cfg.NodeName, DeviceName: DeviceName, Health: h.status, Message: h.message, LastUpdated: time.Now(),
+		}}}
+		select {
+		case <-ctx.Done():
+			return nil
+		case reports <- report:
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case h = <-changes:
+		case <-resend.C:
+			h = d.health.Get()
+		}
+	}
 }
 
 type checkpoint struct {

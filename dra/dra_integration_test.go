@@ -21,6 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	drahealth "k8s.io/kubelet/pkg/apis/dra-health/v1"
 	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
 
 	"github.com/inpod-dev/inpod/e2e/cluster"
@@ -484,6 +485,56 @@ func TestIntegrationDRAPrepareAndUnprepare(t *testing.T) {
 	if got := d2.Prepared(); len(got) != 0 {
 		t.Fatalf("recorded after unprepare %v", got)
 	}
+}
+
+// The kubelet's DRAResourceHealth stream, through its gRPC API on the
+// plugin's socket: the device's health at once (Unhealthy, naming what
+// fails, while not ready), Healthy once ready, Unhealthy again when ztunnel
+// leaves, each change as it happens; and the same health again within the
+// kubelet's 30 s while nothing changes (HealthResendEvery, shortened here).
+func TestIntegrationDRAHealthFollowsReadiness(t *testing.T) {
+	defer func(old time.Duration) { HealthResendEvery = old }(HealthResendEvery)
+	HealthResendEvery = 200 * time.Millisecond
+	w := newWorld(t)
+	d, _ := w.start(w.ready, &counter{}, time.Minute)
+	conn, err := grpc.NewClient("unix://"+d.PluginSocket(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	stream, err := drahealth.NewDRAResourceHealthClient(conn).NodeWatchResources(ctx, &drahealth.NodeWatchResourcesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// next reads reports until the device has want, its message naming
+	// reason; it fails on the stream's end or the deadline.
+	next := func(want drahealth.HealthStatus, reason string) time.Time {
+		t.Helper()
+		for {
+			resp, err := stream.Recv()
+			if err != nil {
+				t.Fatalf("waiting for the device %s (%q): %v", want, reason, err)
+			}
+			if len(resp.Devices) != 1 || resp.Devices[0].Device.GetPoolName() != nodeName || resp.Devices[0].Device.GetDeviceName() != DeviceName {
+				t.Fatalf("a report of other devices than the node's one: %v", resp.Devices)
+			}
+			if h := resp.Devices[0]; h.Health == want && strings.Contains(h.Message, reason) {
+				return time.Now()
+			}
+		}
+	}
+	next(drahealth.HealthStatus_UNHEALTHY, "ztunnel")
+	setReady(w.ready)
+	next(drahealth.HealthStatus_HEALTHY, "ready")
+	first := next(drahealth.HealthStatus_HEALTHY, "ready")
+	again := next(drahealth.HealthStatus_HEALTHY, "ready")
+	if again.Sub(first) > 5*time.Second {
+		t.Errorf("an unchanged health was resent after %s; want about every %s", again.Sub(first), HealthResendEvery)
+	}
+	w.ready.Set(readiness.ZtunnelConnected, false, "ztunnel left")
+	next(drahealth.HealthStatus_UNHEALTHY, "ztunnel left")
 }
 
 type testWriter struct{ t *testing.T }

@@ -7,7 +7,10 @@ import (
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
 
 	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/internal/testkit"
@@ -20,6 +23,9 @@ import (
 // taint goes when the stand-in connects and the pod runs redirected; it
 // comes back when ztunnel goes (a new enrolled pod waits, the running one
 // is left alone), and uninstall takes the slice and the DeviceClass away.
+// A pod that names a ResourceClaim of the device sees the node's readiness
+// as the device's health in its allocatedResourcesStatus (the agent's
+// DRAResourceHealth stream through the kubelet).
 func TestE2EChartDRAMode(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
@@ -62,11 +68,45 @@ func TestE2EChartDRAMode(t *testing.T) {
 	app := waitReady(t, ctx, c.Node, "mesh", "app")
 	c.enrolled(t, app)
 	c.inbound(t, app)
+	// A pod naming a claim of the device: the kubelet reports the device's
+	// health only for such containers (not for a request of the extended
+	// resource, which is how enrolled pods ask).
+	if _, err := c.Client.ResourceV1().ResourceClaims("mesh").Create(ctx, &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: "redirection"},
+		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
+			Name: "r", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: dra.DefaultDriverName}}}}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	claimed := testAppPod("mesh", "claimed")
+	claimed.Spec.ResourceClaims = []corev1.PodResourceClaim{{Name: "r", ResourceClaimName: ptr.To("redirection")}}
+	claimed.Spec.Containers[0].Resources.Claims = []corev1.ResourceClaim{{Name: "r"}}
+	c.create(t, claimed)
+	waitReady(t, ctx, c.Node, "mesh", "claimed")
+	// health is the claimed device's health in the pod's status, "" while
+	// the kubelet reports none.
+	health := func() string {
+		p, err := c.Client.CoreV1().Pods("mesh").Get(ctx, "claimed", metav1.GetOptions{})
+		if err != nil || len(p.Status.ContainerStatuses) == 0 {
+			return ""
+		}
+		for _, rs := range p.Status.ContainerStatuses[0].AllocatedResourcesStatus {
+			if rs.Name == "claim:r" && len(rs.Resources) == 1 {
+				return string(rs.Resources[0].Health)
+			}
+		}
+		return ""
+	}
+	testkit.Eventually(t, time.Minute, "the claimed device Healthy in the pod's status", func() bool { return health() == string(corev1.ResourceHealthStatusHealthy) })
 
 	appState := podState(t, ctx, c.Node, "mesh", "app")
 	c.standInDown(t)
 	closed := testkit.Eventually(t, time.Minute, "the device tainted again", func() bool { return len(taints()) > 0 })
 	t.Logf("ztunnel gone → the scheduler sees the gate closed (DRA: device taint in the API): %s", closed.Round(time.Millisecond))
+	unhealthy := testkit.Eventually(t, time.Minute, "the claimed device Unhealthy in the pod's status", func() bool {
+		return health() == string(corev1.ResourceHealthStatusUnhealthy)
+	})
+	t.Logf("ztunnel gone → the claimed device Unhealthy in the pod's allocatedResourcesStatus: %s", unhealthy.Round(time.Millisecond))
 	c.create(t, testAppPod("mesh", "waiting"))
 	testkit.Eventually(t, time.Minute, "a new enrolled pod Pending", func() bool { return unschedulableFor(ctx, c.Node, "mesh", "waiting", "") })
 	if got := podState(t, ctx, c.Node, "mesh", "app"); got != appState {
