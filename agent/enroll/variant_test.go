@@ -70,8 +70,8 @@ func TestEachPodKeepsItsOwnVariant(t *testing.T) {
 	if c, _ := f.conds.of(plain.UID); !c.proven {
 		t.Errorf("the pod opted out of DNS capture = %+v; want proven without a DNS proxy", c)
 	}
-	if c, _ := f.conds.of(dns.UID); c.proven || c.reason != "ListenersMissing" {
-		t.Errorf("the pod captured for DNS = %+v; want False/ListenersMissing (ztunnel runs no DNS proxy)", c)
+	if c, _ := f.conds.of(dns.UID); c.proven || c.reason != "DNSProxyMissing" {
+		t.Errorf("the pod captured for DNS = %+v; want False/DNSProxyMissing (ztunnel runs no DNS proxy)", c)
 	}
 
 	// Flushed, the rules come back in each pod's own variant, even after

@@ -301,12 +301,21 @@ const (
 	maxListenerBackoff = 10 * time.Minute
 )
 
+// DNSProxyPort is ztunnel's DNS proxy in a pod whose DNS is captured
+// (Variant.DNSCapture).
+const DNSProxyPort = 15053
+
 // checkListeners proves ztunnel's listeners are bound in the pod. ztunnel
 // holding the pod with no listeners there means its proxy for the pod
 // failed; an Add for a pod it holds changes nothing, so (when disruptive,
 // and not within the backoff of a repair that did not hold) it is told to
 // forget the pod and then Added again. The pod stays in the table, and so
 // in every snapshot, throughout.
+//
+// Only the DNS proxy missing is another story: the proxy is up, and
+// ztunnel runs without its DNS proxy (its own setting). Restarting the
+// proxy would cut the pod's connections and bring nothing back, so the
+// pod is only reported, with what to set.
 func (p *Pipeline) checkListeners(ctx context.Context, e *entry, disruptive bool, repairs *[]string) (string, string) {
 	if p.cfg.Listeners == nil {
 		return "", ""
@@ -320,6 +329,9 @@ func (p *Pipeline) checkListeners(ctx context.Context, e *entry, disruptive bool
 		e.listenerBackoff = 0
 		p.mu.Unlock()
 		return "", ""
+	}
+	if len(missing) == 1 && missing[0] == DNSProxyPort {
+		return "DNSProxyMissing", fmt.Sprintf("the pod's DNS is captured, but ztunnel's DNS proxy (%d) is not listening in the pod's netns: run ztunnel with its DNS proxy, or turn DNS capture off for the node (redirection.dnsCapture=false) or for the pod (annotation ambient.istio.io/dns-capture: \"false\")", DNSProxyPort)
 	}
 	p.mu.Lock()
 	due := time.Now().After(e.listenerRetryAt)

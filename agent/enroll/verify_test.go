@@ -426,11 +426,19 @@ func TestVerifierConcludesNothingWhileZtunnelReconnects(t *testing.T) {
 }
 
 // dnsListeners expects ztunnel's DNS proxy too, which the stand-in runs
-// without: listeners that no repair brings back.
+// without.
 type dnsListeners struct{}
 
 func (dnsListeners) Missing(ns *os.File, _ enroll.Variant) ([]uint16, error) {
 	return redirect.Listening(ns, []uint16{ztunnel.PortOutbound, ztunnel.PortInbound, ztunnel.PortHBONE, ztunnel.PortDNS})
+}
+
+// unboundListeners expects a port no stand-in binds: a proxy that comes
+// back without one of its listeners.
+type unboundListeners struct{}
+
+func (unboundListeners) Missing(ns *os.File, _ enroll.Variant) ([]uint16, error) {
+	return redirect.Listening(ns, []uint16{ztunnel.PortOutbound, ztunnel.PortInbound, ztunnel.PortHBONE, 15999})
 }
 
 // Listeners a restart of the pod's proxy does not bring back: the proxy is
@@ -440,7 +448,7 @@ func (dnsListeners) Missing(ns *os.File, _ enroll.Variant) ([]uint16, error) {
 func TestVerifierBacksOffAListenerRepairThatDoesNotHold(t *testing.T) {
 	f := newFixture(t)
 	f.stopServer()
-	f.listeners = dnsListeners{}
+	f.listeners = unboundListeners{}
 	f.startAgent(nil)
 	rec := &testkit.Buffer{}
 	f.standin(ztunnel.Config{Record: rec})
@@ -460,6 +468,29 @@ func TestVerifierBacksOffAListenerRepairThatDoesNotHold(t *testing.T) {
 	}
 	if c, _ := f.conds.of(pod.UID); c.proven || c.reason != "ListenersMissing" {
 		t.Errorf("condition = %+v; want False/ListenersMissing", c)
+	}
+}
+
+// DNS captured, ztunnel without its DNS proxy: the pod is reported, naming
+// what to set, and its proxy is never restarted (that would cut its
+// connections and bring no DNS proxy). (Review finding.)
+func TestVerifierNeverRestartsAProxyForWantOfTheDNSProxy(t *testing.T) {
+	f := newFixture(t)
+	f.stopServer()
+	f.listeners = dnsListeners{}
+	f.startAgent(nil)
+	rec := &testkit.Buffer{}
+	f.standin(ztunnel.Config{Record: rec})
+	pod, _ := f.enrolledRunning("dns")
+	before := recorded(rec, "del")
+	for range 3 {
+		f.verifyAll()
+	}
+	if dels := recorded(rec, "del") - before; dels != 0 {
+		t.Errorf("the pod's proxy was restarted %d times for want of ztunnel's DNS proxy; want never", dels)
+	}
+	if c, _ := f.conds.of(pod.UID); c.proven || c.reason != "DNSProxyMissing" {
+		t.Errorf("condition = %+v; want False/DNSProxyMissing", c)
 	}
 }
 
