@@ -38,17 +38,19 @@ func ChartVersion(tag string) (version string, ok bool) {
 }
 
 // Values is a values file for the chart that pins every built image to its
-// repository and digest, so an install with it (helm install -f) runs
+// digest, so an install with it (helm install -f) runs
 // exactly these images whatever the chart's tags. Each tag is cleared: the
 // chart refuses a tag and a digest together, and an install by tag upgraded
-// with --reuse-values -f values-release.yaml still carries its old tag.
+// with --reuse-values -f values-release.yaml still carries its old tag. The
+// repositories are left out: the chart's defaults are these, and an install
+// from a mirror (--set <value>.image.repository) keeps its own on upgrade.
 func Values(built []Built) []byte {
 	var b bytes.Buffer
 	b.WriteString("# The images of this release, pinned by digest (make release):\n")
 	b.WriteString("# helm install -f " + ValuesFile + " runs exactly these. Images pushed to\n")
 	b.WriteString("# another registry keep their digests: set <value>.image.repository.\n")
 	for _, im := range built {
-		fmt.Fprintf(&b, "%s:\n  image:\n    # built as %s\n    repository: %q\n    tag: \"\"\n    digest: %q\n", im.Values, im.Ref(), im.Repository, im.Digest.String())
+		fmt.Fprintf(&b, "%s:\n  image:\n    # built as %s\n    tag: \"\"\n    digest: %q\n", im.Values, im.Ref(), im.Digest.String())
 	}
 	return b.Bytes()
 }
