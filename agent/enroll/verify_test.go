@@ -441,26 +441,35 @@ func (unboundListeners) Missing(ns *os.File, _ enroll.Variant) ([]uint16, error)
 	return redirect.Listening(ns, []uint16{ztunnel.PortOutbound, ztunnel.PortInbound, ztunnel.PortHBONE, 15999})
 }
 
+// verifiedWith enrolls a running pod under listeners, with a stand-in that
+// records its proxies, and runs three verification rounds; proxyRestarts
+// counts the proxies dropped since the pod's ADD.
+func verifiedWith(t *testing.T, listeners enroll.Listeners) (f *fixture, pod *corev1.Pod, proxyRestarts func() int) {
+	t.Helper()
+	f = newFixture(t)
+	f.stopServer()
+	f.listeners = listeners
+	f.startAgent(nil)
+	rec := &testkit.Buffer{}
+	f.standin(ztunnel.Config{Record: rec})
+	pod, _ = f.enrolledRunning("dns")
+	before := recorded(rec, "del")
+	for range 3 {
+		f.verifyAll()
+	}
+	return f, pod, func() int { return recorded(rec, "del") - before }
+}
+
 // Listeners a restart of the pod's proxy does not bring back: the proxy is
 // restarted once, then not again within the backoff, never by a reconcile,
 // and no repair is claimed. Each restart interrupts the pod's connections.
 // (Review finding.)
 func TestVerifierBacksOffAListenerRepairThatDoesNotHold(t *testing.T) {
-	f := newFixture(t)
-	f.stopServer()
-	f.listeners = unboundListeners{}
-	f.startAgent(nil)
-	rec := &testkit.Buffer{}
-	f.standin(ztunnel.Config{Record: rec})
-	pod, _ := f.enrolledRunning("dns")
-	before := recorded(rec, "del")
-	for range 3 {
-		f.verifyAll()
-	}
+	f, pod, proxyRestarts := verifiedWith(t, unboundListeners{})
 	for range 3 {
 		_ = f.p.Reconcile(context.Background(), f.cached(types.NamespacedName{Namespace: "mesh", Name: pod.Name}))
 	}
-	if dels := recorded(rec, "del") - before; dels != 1 {
+	if dels := proxyRestarts(); dels != 1 {
 		t.Errorf("the pod's proxy was restarted %d times by 3 rounds and 3 reconciles; want once", dels)
 	}
 	if n := countOf(f.rec.reasons(), enroll.EventRepaired); n != 0 {
@@ -475,18 +484,8 @@ func TestVerifierBacksOffAListenerRepairThatDoesNotHold(t *testing.T) {
 // what to set, and its proxy is never restarted (that would cut its
 // connections and bring no DNS proxy). (Review finding.)
 func TestVerifierNeverRestartsAProxyForWantOfTheDNSProxy(t *testing.T) {
-	f := newFixture(t)
-	f.stopServer()
-	f.listeners = dnsListeners{}
-	f.startAgent(nil)
-	rec := &testkit.Buffer{}
-	f.standin(ztunnel.Config{Record: rec})
-	pod, _ := f.enrolledRunning("dns")
-	before := recorded(rec, "del")
-	for range 3 {
-		f.verifyAll()
-	}
-	if dels := recorded(rec, "del") - before; dels != 0 {
+	f, pod, proxyRestarts := verifiedWith(t, dnsListeners{})
+	if dels := proxyRestarts(); dels != 0 {
 		t.Errorf("the pod's proxy was restarted %d times for want of ztunnel's DNS proxy; want never", dels)
 	}
 	if c, _ := f.conds.of(pod.UID); c.proven || c.reason != "DNSProxyMissing" {
