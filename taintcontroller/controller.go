@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -72,6 +74,14 @@ type Config struct {
 	// both are ever edited.
 	TaintKey    string
 	TaintEffect corev1.TaintEffect
+	// PreviousTaints are startup taints of an earlier configuration (the
+	// key changed on upgrade): nothing removes them otherwise, and they
+	// would keep every pod off the nodes that carry them for good. They are
+	// only ever removed, and only when the startup taint itself would be (a
+	// node ready, in bootstrap mode not yet done), in the same write; never
+	// added. An entry without an effect matches NoSchedule and
+	// PreferNoSchedule.
+	PreviousTaints []corev1.Taint
 	// NodeSelector is a label selector; nodes outside it are not watched
 	// and never written. Empty: every node.
 	NodeSelector string
@@ -145,6 +155,23 @@ func New(cfg Config) (*Controller, error) {
 	if errs := validateTaintKey(cfg.TaintKey); errs != nil {
 		return nil, fmt.Errorf("taintcontroller: taint key %q: %v", cfg.TaintKey, errs)
 	}
+	var previous []corev1.Taint
+	for _, p := range cfg.PreviousTaints {
+		if errs := validateTaintKey(p.Key); errs != nil {
+			return nil, fmt.Errorf("taintcontroller: previous taint key %q: %v", p.Key, errs)
+		}
+		switch p.Effect {
+		case "", corev1.TaintEffectNoSchedule, corev1.TaintEffectPreferNoSchedule:
+		default:
+			return nil, fmt.Errorf("taintcontroller: previous taint %s: effect %q: want NoSchedule, PreferNoSchedule or none (both)", p.Key, p.Effect)
+		}
+		// The current taint is never "previous": it is added too.
+		if p.Key == cfg.TaintKey && p.Effect == cfg.TaintEffect {
+			continue
+		}
+		previous = append(previous, corev1.Taint{Key: p.Key, Effect: p.Effect})
+	}
+	cfg.PreviousTaints = previous
 	sel, err := labels.Parse(cfg.NodeSelector)
 	if err != nil {
 		return nil, fmt.Errorf("taintcontroller: node selector: %w", err)
@@ -467,7 +494,7 @@ func (r *reconciler) agentsAnywhere() bool {
 // plan decides for node as read, tracking how long it has been not ready.
 func (r *reconciler) plan(node *corev1.Node) (observation, action, time.Duration) {
 	c := r.c
-	o := observe(node, c.cfg.TaintKey, c.cfg.TaintEffect, r.agents(node.Name))
+	o := observe(node, c.cfg.TaintKey, c.cfg.TaintEffect, c.cfg.PreviousTaints, r.agents(node.Name))
 	if c.cfg.Mode == Continuous && !o.tainted && !o.ready() && o.cond != "" {
 		o.agentsAnywhere = r.agentsAnywhere()
 	}
@@ -549,16 +576,23 @@ func (r *reconciler) write(ctx context.Context, node *corev1.Node, o observation
 	if c.cfg.Mode == Bootstrap && (a == removeTaint || a == markDone) {
 		meta["annotations"] = map[string]string{DoneAnnotation: c.now().UTC().Format(time.RFC3339)}
 	}
+	var removed []string
 	switch a {
 	case removeTaint:
-		taints := withoutTaint(node.Spec.Taints, c.cfg.TaintKey, c.cfg.TaintEffect)
+		taints := withoutTaint(node.Spec.Taints, c.cfg.TaintKey, c.cfg.TaintEffect, c.cfg.PreviousTaints)
+		for _, t := range node.Spec.Taints {
+			if !slices.Contains(taints, t) {
+				removed = append(removed, t.Key+":"+string(t.Effect))
+			}
+		}
 		if len(taints) == 0 {
 			body["spec"] = map[string]any{"taints": nil}
 		} else {
 			body["spec"] = map[string]any{"taints": taints}
 		}
 	case addTaint:
-		taints := append(withoutTaint(node.Spec.Taints, c.cfg.TaintKey, c.cfg.TaintEffect),
+		// Previous taints stay: the node is not ready.
+		taints := append(withoutTaint(node.Spec.Taints, c.cfg.TaintKey, c.cfg.TaintEffect, nil),
 			corev1.Taint{Key: c.cfg.TaintKey, Effect: c.cfg.TaintEffect})
 		body["spec"] = map[string]any{"taints": taints}
 	}
@@ -576,9 +610,10 @@ func (r *reconciler) write(ctx context.Context, node *corev1.Node, o observation
 		if !o.condSince.IsZero() {
 			c.cfg.Metrics.untaintLatency.Observe(max(0, c.now().Sub(o.condSince)).Seconds())
 		}
+		what := strings.Join(removed, ", ")
 		r.events.Eventf(node, corev1.EventTypeNormal, eventReasonRemoved,
-			"removed %s: InPodRedirectionReady is True and the inpod agent pod is Ready (mode %s)", taint, c.cfg.Mode)
-		c.log.Info("startup taint removed", "node", node.Name, "taint", taint, "mode", c.cfg.Mode)
+			"removed %s: InPodRedirectionReady is True and the inpod agent pod is Ready (mode %s)", what, c.cfg.Mode)
+		c.log.Info("startup taint removed", "node", node.Name, "taint", taint, "removed", what, "mode", c.cfg.Mode)
 	case addTaint:
 		c.cfg.Metrics.added.Inc()
 		why := "InPodRedirectionReady is " + string(o.cond)

@@ -5,6 +5,7 @@ package taintcontroller
 import (
 	"context"
 	"net/http"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -33,10 +34,26 @@ func withoutSystem(taints []corev1.Taint) []corev1.Taint {
 	return out
 }
 
+// Node b carries only the taint of an earlier key (the chart's key changed
+// on upgrade): it goes by the same rule, in the same steps.
 func TestIntegrationTaintRemovedOnlyWhenConditionTrueAndAgentReady(t *testing.T) {
 	w := newWorld(t)
 	w.addNode(t, "a", nil, other)
-	r := w.start(t, Config{Mode: Bootstrap})
+	previous := corev1.Taint{Key: "example.com/old-startup", Effect: corev1.TaintEffectNoSchedule}
+	b := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "b"}, Spec: corev1.NodeSpec{Taints: []corev1.Taint{previous, other}}}
+	if _, err := w.admin.CoreV1().Nodes().Create(context.Background(), b, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	r := w.start(t, Config{Mode: Bootstrap, PreviousTaints: []corev1.Taint{{Key: previous.Key}}})
+	nodes := []string{"a", "b"}
+	each := func(f func(node string)) {
+		for _, n := range nodes {
+			f(n)
+		}
+	}
+	hasPrevious := func(name string) bool {
+		return slices.ContainsFunc(w.node(t, name).Spec.Taints, func(t corev1.Taint) bool { return t.Key == previous.Key })
+	}
 
 	stillTainted := func(step string) {
 		t.Helper()
@@ -44,34 +61,45 @@ func TestIntegrationTaintRemovedOnlyWhenConditionTrueAndAgentReady(t *testing.T)
 		if !w.tainted(t, "a") || r.writes.count("PATCH nodes/a") != 0 {
 			t.Fatalf("%s: node a untainted or written (%d patches) before its condition is True and its agent pod Ready", step, r.writes.count("PATCH nodes/a"))
 		}
+		if !hasPrevious("b") || r.writes.count("PATCH nodes/b") != 0 {
+			t.Fatalf("%s: node b's previous taint removed or node b written (%d patches) before its condition is True and its agent pod Ready", step, r.writes.count("PATCH nodes/b"))
+		}
 	}
 	stillTainted("no condition, no agent pod")
-	w.setCondition(t, "a", corev1.ConditionTrue)
+	each(func(n string) { w.setCondition(t, n, corev1.ConditionTrue) })
 	stillTainted("condition True, no agent pod")
-	w.addAgentPod(t, "a", false)
+	each(func(n string) { w.addAgentPod(t, n, false) })
 	stillTainted("condition True, agent pod not Ready")
-	w.setCondition(t, "a", corev1.ConditionFalse)
-	w.setPodReady(t, "a", true)
+	each(func(n string) { w.setCondition(t, n, corev1.ConditionFalse); w.setPodReady(t, n, true) })
 	stillTainted("condition False, agent pod Ready")
-	w.setCondition(t, "a", corev1.ConditionUnknown)
+	each(func(n string) { w.setCondition(t, n, corev1.ConditionUnknown) })
 	stillTainted("condition Unknown, agent pod Ready")
 
-	w.setCondition(t, "a", corev1.ConditionTrue)
+	each(func(n string) { w.setCondition(t, n, corev1.ConditionTrue) })
 	w.waitTainted(t, "a", false)
-	n := w.node(t, "a")
-	if got := withoutSystem(n.Spec.Taints); len(got) != 1 || got[0] != other {
-		t.Fatalf("taints %+v: want only the other component's taint", n.Spec.Taints)
-	}
-	if _, ok := n.Annotations[DoneAnnotation]; !ok {
-		t.Fatalf("bootstrap not recorded on the node: annotations %v", n.Annotations)
-	}
-	testkit.Eventually(t, 10*time.Second, "an Event on node a", func() bool {
-		for _, e := range w.events(t, "a") {
-			if e.Reason == eventReasonRemoved && strings.Contains(e.Message, DefaultTaintKey) {
-				return true
-			}
+	testkit.Eventually(t, 30*time.Second, "node b's previous taint removed", func() bool { return !hasPrevious("b") })
+	each(func(name string) {
+		n := w.node(t, name)
+		if got := withoutSystem(n.Spec.Taints); len(got) != 1 || got[0] != other {
+			t.Fatalf("node %s: taints %+v: want only the other component's taint", name, n.Spec.Taints)
 		}
-		return false
+		if _, ok := n.Annotations[DoneAnnotation]; !ok {
+			t.Fatalf("node %s: bootstrap not recorded: annotations %v", name, n.Annotations)
+		}
+	})
+	if w.tainted(t, "b") {
+		t.Fatal("node b got the startup taint: a previous taint is never a reason to add it")
+	}
+	each(func(name string) {
+		key := map[string]string{"a": DefaultTaintKey, "b": previous.Key}[name]
+		testkit.Eventually(t, 10*time.Second, "an Event on node "+name+" naming "+key, func() bool {
+			for _, e := range w.events(t, name) {
+				if e.Reason == eventReasonRemoved && strings.Contains(e.Message, key) {
+					return true
+				}
+			}
+			return false
+		})
 	})
 
 	// bootstrap never puts the taint back: not on False, not without an

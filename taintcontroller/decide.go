@@ -24,8 +24,11 @@ const DoneAnnotation = "inpod.dev/startup-taint-removed"
 // observation is what the controller knows about one node.
 type observation struct {
 	tainted bool // carries the startup taint (key and effect)
-	done    bool // DoneAnnotation present
-	cond    corev1.ConditionStatus
+	// previous: carries a taint of Config.PreviousTaints, which is only
+	// ever removed, under the rule that removes the startup taint.
+	previous bool
+	done     bool // DoneAnnotation present
+	cond     corev1.ConditionStatus
 	// condSince is the condition's lastTransitionTime.
 	condSince  time.Time
 	agentReady bool // one of the node's agent pods is Ready and not terminating
@@ -61,14 +64,14 @@ func decide(mode Mode, o observation, notReadyFor, grace time.Duration) (a actio
 			return none, 0
 		case !o.ready():
 			return none, 0
-		case o.tainted:
+		case o.tainted || o.previous:
 			return removeTaint, 0
 		default:
 			return markDone, 0
 		}
 	}
 	if o.ready() {
-		if o.tainted {
+		if o.tainted || o.previous {
 			return removeTaint, 0
 		}
 		return none, 0
@@ -93,11 +96,14 @@ func decide(mode Mode, o observation, notReadyFor, grace time.Duration) (a actio
 }
 
 // observe reads a node and its agent pods.
-func observe(node *corev1.Node, key string, effect corev1.TaintEffect, agents []*corev1.Pod) observation {
+func observe(node *corev1.Node, key string, effect corev1.TaintEffect, previous []corev1.Taint, agents []*corev1.Pod) observation {
 	var o observation
 	for _, t := range node.Spec.Taints {
 		if t.Key == key && t.Effect == effect {
 			o.tainted = true
+		}
+		if matchesAny(t, previous) {
+			o.previous = true
 		}
 	}
 	_, o.done = node.Annotations[DoneAnnotation]
@@ -123,13 +129,29 @@ func podReady(p *corev1.Pod) bool {
 	return false
 }
 
-// withoutTaint is taints less every taint with key and effect.
-func withoutTaint(taints []corev1.Taint, key string, effect corev1.TaintEffect) []corev1.Taint {
+// withoutTaint is taints less every taint with key and effect, and every
+// one matching previous.
+func withoutTaint(taints []corev1.Taint, key string, effect corev1.TaintEffect, previous []corev1.Taint) []corev1.Taint {
 	out := make([]corev1.Taint, 0, len(taints))
 	for _, t := range taints {
-		if t.Key != key || t.Effect != effect {
+		if (t.Key != key || t.Effect != effect) && !matchesAny(t, previous) {
 			out = append(out, t)
 		}
 	}
 	return out
+}
+
+// matchesAny says whether t is one of previous: the same key, and the same
+// effect or, for an entry without one, either effect the controller can
+// use (a NoExecute taint is never inpod's).
+func matchesAny(t corev1.Taint, previous []corev1.Taint) bool {
+	for _, p := range previous {
+		if t.Key != p.Key {
+			continue
+		}
+		if t.Effect == p.Effect || p.Effect == "" && (t.Effect == corev1.TaintEffectNoSchedule || t.Effect == corev1.TaintEffectPreferNoSchedule) {
+			return true
+		}
+	}
+	return false
 }

@@ -1,6 +1,7 @@
 package taintcontroller
 
 import (
+	"slices"
 	"testing"
 	"time"
 
@@ -38,6 +39,19 @@ func TestDecide(t *testing.T) {
 		{"continuous: never reported a condition", Continuous, observation{agentReady: true, agentsAnywhere: true}, time.Hour, none, 0},
 		{"continuous: no agent pod anywhere (uninstall)", Continuous, observation{cond: T}, time.Hour, none, 0},
 		{"continuous: False but no agent pod anywhere", Continuous, observation{cond: F}, time.Hour, none, 0},
+		// A previous taint (the key changed on upgrade) goes exactly when
+		// the startup taint would, and its presence never stands for the
+		// startup taint: a not-ready node still gets the current one.
+		{"bootstrap: ready, previous taint only", Bootstrap, observation{previous: true, cond: T, agentReady: true}, 0, removeTaint, 0},
+		{"bootstrap: previous taint, condition True, agent pod not Ready", Bootstrap, observation{previous: true, cond: T}, time.Hour, none, 0},
+		{"bootstrap: previous taint, agent Ready, condition False", Bootstrap, observation{previous: true, cond: F, agentReady: true}, time.Hour, none, 0},
+		{"bootstrap: previous taint, no condition", Bootstrap, observation{previous: true, agentReady: true}, time.Hour, none, 0},
+		{"bootstrap: done, previous taint", Bootstrap, observation{previous: true, done: true, cond: T, agentReady: true}, 0, none, 0},
+		{"continuous: ready, previous taint only", Continuous, observation{previous: true, cond: T, agentReady: true}, 0, removeTaint, 0},
+		{"continuous: ready, both taints", Continuous, observation{tainted: true, previous: true, cond: T, agentReady: true}, 0, removeTaint, 0},
+		{"continuous: previous taint, agent gone", Continuous, observation{previous: true, cond: T, agentsAnywhere: true}, 10 * time.Second, none, 20 * time.Second},
+		{"continuous: previous taint, False adds the startup taint", Continuous, observation{previous: true, cond: F, agentReady: true, agentsAnywhere: true}, 0, addTaint, 0},
+		{"continuous: previous taint, no agent pod anywhere", Continuous, observation{previous: true, cond: T}, time.Hour, none, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			a, recheck := decide(tc.mode, tc.o, tc.notReadyFor, grace)
@@ -66,18 +80,60 @@ func TestObserve(t *testing.T) {
 	}
 	terminating := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{DeletionTimestamp: &now}, Status: corev1.PodStatus{Conditions: ready(corev1.ConditionTrue)}}
 	notReady := &corev1.Pod{Status: corev1.PodStatus{Conditions: ready(corev1.ConditionFalse)}}
-	o := observe(node, DefaultTaintKey, DefaultTaintEffect, []*corev1.Pod{terminating, notReady})
-	if o.tainted || !o.done || o.cond != corev1.ConditionTrue || !o.condSince.Equal(now.Time) || o.agentReady {
+	o := observe(node, DefaultTaintKey, DefaultTaintEffect, nil, []*corev1.Pod{terminating, notReady})
+	if o.tainted || o.previous || !o.done || o.cond != corev1.ConditionTrue || !o.condSince.Equal(now.Time) || o.agentReady {
 		t.Fatalf("observe = %+v", o)
 	}
 	readyPod := &corev1.Pod{Status: corev1.PodStatus{Conditions: ready(corev1.ConditionTrue)}}
 	node.Spec.Taints = append(node.Spec.Taints, corev1.Taint{Key: DefaultTaintKey, Effect: DefaultTaintEffect})
-	if o := observe(node, DefaultTaintKey, DefaultTaintEffect, []*corev1.Pod{notReady, readyPod}); !o.tainted || !o.agentReady {
+	if o := observe(node, DefaultTaintKey, DefaultTaintEffect, nil, []*corev1.Pod{notReady, readyPod}); !o.tainted || o.previous || !o.agentReady {
 		t.Fatalf("observe = %+v, want tainted and agent Ready", o)
 	}
-	got := withoutTaint(node.Spec.Taints, DefaultTaintKey, DefaultTaintEffect)
+	got := withoutTaint(node.Spec.Taints, DefaultTaintKey, DefaultTaintEffect, nil)
 	if len(got) != 2 || got[0].Effect != corev1.TaintEffectPreferNoSchedule || got[1].Key != "other" {
 		t.Fatalf("withoutTaint = %+v", got)
+	}
+}
+
+// A previous taint is matched by key and effect, or by key alone for an
+// entry without an effect, never as a NoExecute taint of the same key
+// (not inpod's); removing it keeps every other taint.
+func TestObservePreviousTaints(t *testing.T) {
+	const old, older = "inpod.dev/not-ready", "example.com/older"
+	node := &corev1.Node{Spec: corev1.NodeSpec{Taints: []corev1.Taint{
+		{Key: "other", Effect: DefaultTaintEffect},
+		{Key: old, Effect: corev1.TaintEffectNoSchedule},
+		{Key: older, Effect: corev1.TaintEffectNoExecute},
+		{Key: older, Effect: corev1.TaintEffectPreferNoSchedule},
+	}}}
+	const key = "readiness.k8s.io/inpod-redirection"
+	for _, tc := range []struct {
+		name     string
+		previous []corev1.Taint
+		want     bool
+		left     []string
+	}{
+		{"none", nil, false, []string{"other", old, older, older}},
+		{"key and effect", []corev1.Taint{{Key: old, Effect: corev1.TaintEffectNoSchedule}}, true, []string{"other", older, older}},
+		{"other effect", []corev1.Taint{{Key: old, Effect: corev1.TaintEffectPreferNoSchedule}}, false, []string{"other", old, older, older}},
+		{"key alone", []corev1.Taint{{Key: older}}, true, []string{"other", old, older}},
+		{"both", []corev1.Taint{{Key: old}, {Key: older}}, true, []string{"other", older}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if o := observe(node, key, DefaultTaintEffect, tc.previous, nil); o.previous != tc.want || o.tainted {
+				t.Errorf("observe = %+v, want previous %t", o, tc.want)
+			}
+			var left []string
+			for _, t := range withoutTaint(node.Spec.Taints, key, DefaultTaintEffect, tc.previous) {
+				left = append(left, t.Key)
+			}
+			if !slices.Equal(left, tc.left) {
+				t.Errorf("withoutTaint left %v, want %v", left, tc.left)
+			}
+		})
+	}
+	if got := withoutTaint(node.Spec.Taints, key, DefaultTaintEffect, nil); got[2].Effect != corev1.TaintEffectNoExecute {
+		t.Errorf("withoutTaint = %+v", got)
 	}
 }
 
@@ -88,9 +144,26 @@ func TestNewRejects(t *testing.T) {
 		{Client: fakeClient(), TaintEffect: corev1.TaintEffectNoExecute},
 		{Client: fakeClient(), TaintKey: "not a key"},
 		{Client: fakeClient(), NodeSelector: "a in ("},
+		{Client: fakeClient(), PreviousTaints: []corev1.Taint{{Key: "not a key"}}},
+		{Client: fakeClient(), PreviousTaints: []corev1.Taint{{Key: "inpod.dev/old", Effect: corev1.TaintEffectNoExecute}}},
 	} {
 		if _, err := New(cfg); err == nil {
 			t.Errorf("New(%+v) accepted", cfg)
 		}
+	}
+}
+
+// The current taint listed as previous is dropped: it is added too, and
+// "previous" would only confuse the events.
+func TestNewDropsCurrentFromPrevious(t *testing.T) {
+	c, err := New(Config{Client: fakeClient(), PreviousTaints: []corev1.Taint{
+		{Key: DefaultTaintKey, Effect: DefaultTaintEffect}, {Key: DefaultTaintKey}, {Key: "inpod.dev/old"},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []corev1.Taint{{Key: DefaultTaintKey}, {Key: "inpod.dev/old"}}
+	if !slices.Equal(c.cfg.PreviousTaints, want) {
+		t.Fatalf("PreviousTaints = %+v, want %+v", c.cfg.PreviousTaints, want)
 	}
 }

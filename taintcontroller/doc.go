@@ -37,7 +37,10 @@
 // # Writes
 //
 // The controller edits only taints with its key and effect (and, in
-// bootstrap mode, its own annotation). Every write is a JSON merge patch
+// bootstrap mode, its own annotation), and removes the previous taints it
+// is given (Config.PreviousTaints: the taint of an earlier configuration,
+// which nothing else would ever remove) in the same write and on the same
+// evidence as its own; it never adds them. Every write is a JSON merge patch
 // carrying the resourceVersion it was computed from, so the API server
 // refuses it (409 Conflict) when anyone changed the Node in between; the
 // controller then reads the Node afresh and decides again. A concurrent

@@ -40,6 +40,7 @@ func main() {
 type options struct {
 	cfg                               taintcontroller.Config
 	kubeconfig, mode, taint, logLevel *string
+	previousTaints                    *string
 	qps                               *float64
 	burst                             *int
 	webhook                           requestwebhook.Config
@@ -53,6 +54,7 @@ func define(fs *flag.FlagSet) *options {
 	o.kubeconfig = fs.String("kubeconfig", "", "kubeconfig to use instead of the in-cluster service account")
 	o.mode = fs.String("mode", string(taintcontroller.Bootstrap), "bootstrap: remove the startup taint once per node (recorded in the annotation "+taintcontroller.DoneAnnotation+"); continuous: also put it back while the node's condition is False, or its agent pod is missing or not Ready for longer than --grace")
 	o.taint = fs.String("taint", taintcontroller.DefaultTaintKey+":"+string(taintcontroller.DefaultTaintEffect), "the startup taint, key:effect (NoSchedule or PreferNoSchedule); only taints with this key and effect are ever edited")
+	o.previousTaints = fs.String("previous-taints", "", "comma-separated startup taints of an earlier --taint, key:effect, or key alone for NoSchedule and PreferNoSchedule: removed from a node when --taint would be (node ready; bootstrap: not yet done), never added, so changing --taint strands no node")
 	fs.StringVar(&cfg.NodeSelector, "node-selector", "", "label selector of the nodes in the mesh; other nodes are never touched (empty: every node)")
 	fs.StringVar(&cfg.AgentNamespace, "agent-namespace", taintcontroller.DefaultNamespace, "namespace of the inpod agent pods (empty: all namespaces)")
 	fs.StringVar(&cfg.AgentSelector, "agent-selector", taintcontroller.DefaultAgentSelector, "label selector of the inpod agent pods")
@@ -103,6 +105,7 @@ func run() error {
 		return fmt.Errorf("invalid --taint %q: want key:effect", *o.taint)
 	}
 	cfg.TaintKey, cfg.TaintEffect = key, corev1.TaintEffect(effect)
+	cfg.PreviousTaints = parsePreviousTaints(*o.previousTaints)
 	// A replica stopped by SIGTERM hands the Lease over at once instead
 	// of after --lease-duration.
 	cfg.ReleaseOnCancel = true
@@ -144,6 +147,20 @@ func run() error {
 		return err
 	}
 	return runWithWebhook(ctx, c, w, cfg.Logger)
+}
+
+// parsePreviousTaints reads --previous-taints; taintcontroller.New
+// validates the keys and effects.
+func parsePreviousTaints(s string) []corev1.Taint {
+	var out []corev1.Taint
+	for _, e := range strings.Split(s, ",") {
+		if e = strings.TrimSpace(e); e == "" {
+			continue
+		}
+		key, effect, _ := strings.Cut(e, ":")
+		out = append(out, corev1.Taint{Key: key, Effect: corev1.TaintEffect(effect)})
+	}
+	return out
 }
 
 // runner is what runWithWebhook runs: the taint controller, the webhook.

@@ -8,11 +8,13 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/client-go/kubernetes/scheme"
 
@@ -150,5 +152,31 @@ func TestWebhookSwitches(t *testing.T) {
 	t.Setenv("INPOD_RESOURCE_REQUEST", "false")
 	if o := parse(); !o.webhook.ReadinessGate || *o.resourceRequest {
 		t.Errorf("INPOD_READINESS_GATE, INPOD_RESOURCE_REQUEST: readiness gate %t, request %t", o.webhook.ReadinessGate, *o.resourceRequest)
+	}
+}
+
+// --previous-taints as the chart passes it (an entry per earlier taint,
+// key:effect from the deployed Deployment, a key alone from
+// controller.taint.previousKeys), and from INPOD_PREVIOUS_TAINTS.
+func TestPreviousTaints(t *testing.T) {
+	parse := func(args ...string) []corev1.Taint {
+		t.Helper()
+		fs := flag.NewFlagSet("inpod-controller", flag.ContinueOnError)
+		o := define(fs)
+		if err := envflag.Parse(fs, "test", args); err != nil {
+			t.Fatal(err)
+		}
+		return parsePreviousTaints(*o.previousTaints)
+	}
+	if got := parse(); got != nil {
+		t.Errorf("default: %+v, want none", got)
+	}
+	want := []corev1.Taint{{Key: "inpod.dev/not-ready", Effect: corev1.TaintEffectNoSchedule}, {Key: "example.com/old"}}
+	if got := parse("--previous-taints=inpod.dev/not-ready:NoSchedule, example.com/old,"); !slices.Equal(got, want) {
+		t.Errorf("flag: %+v, want %+v", got, want)
+	}
+	t.Setenv("INPOD_PREVIOUS_TAINTS", "inpod.dev/not-ready:NoSchedule,example.com/old")
+	if got := parse(); !slices.Equal(got, want) {
+		t.Errorf("INPOD_PREVIOUS_TAINTS: %+v, want %+v", got, want)
 	}
 }
