@@ -333,6 +333,42 @@ out=$("$helm" template inpod "$chart" -n inpod-system --set autoscaler=karpenter
 grep -qF -- "--taint=example.com/mine:NoSchedule" <<<"$out" || { echo "autoscaler=karpenter overrides a controller.taint.key that is set" >&2; exit 1; }
 if "$helm" template inpod "$chart" -n inpod-system -f <(printf 'controller:\n  enabled: true\n  taint: {key: inpod.dev/not-ready, effect: NoSchedule}\nautoscaler: null\n') --set 'gates={node-condition}' |
   grep -qF -- '--taint=inpod.dev/not-ready:NoSchedule'; then :; else echo "an older release's values (no autoscaler) change the taint" >&2; exit 1; fi
+# A key changed on upgrade: the controller also removes the earlier taints
+# (controller.taint.previousKeys, and on a live upgrade the deployed
+# controller's --taint and --previous-taints, read by lookup), and its pods
+# tolerate them. helm template's lookup finds nothing, so a copy of the chart
+# reads "the deployed" Deployment from a file instead.
+tc=(--set 'gates={node-condition}' --set controller.enabled=true)
+out=$("$helm" template inpod "$chart" -n inpod-system "${tc[@]}" --set autoscaler=karpenter --set-json 'controller.taint.previousKeys=["inpod.dev/not-ready","readiness.k8s.io/inpod-redirection"]' --show-only templates/controller-deployment.yaml)
+for want in '--previous-taints=inpod.dev/not-ready,readiness.k8s.io/inpod-redirection' '- key: inpod.dev/not-ready'; do
+  grep -qF -- "$want" <<<"$out" || { echo "controller.taint.previousKeys: rendered Deployment lacks $want" >&2; exit 1; }
+done
+if "$helm" template inpod "$chart" -n inpod-system "${tc[@]}" | grep -q -- '--previous-taints'; then
+  echo "no earlier taint, yet --previous-taints is rendered" >&2; exit 1
+fi
+refuse "controller/taint/previousKeys" --set-json 'controller.taint.previousKeys=["not a key"]'
+notes "${tc[@]}" --set-json 'controller.taint.previousKeys=["inpod.dev/old"]' | grep -qF 'the earlier taints inpod.dev/old' ||
+  { echo "NOTES.txt does not name the earlier taints the controller removes" >&2; exit 1; }
+upgrade_chart=$(mktemp -d)
+trap 'rm -rf "$notes_chart" "$upgrade_chart"' EXIT
+cp -R "$chart/." "$upgrade_chart/"
+sed -i 's|lookup "apps/v1" "Deployment" .Release.Namespace "inpod-controller"|.Files.Get "deployed.yaml" \| fromYaml|' "$upgrade_chart/templates/_helpers.tpl"
+grep -qF 'deployed.yaml' "$upgrade_chart/templates/_helpers.tpl" || { echo "chart-check: the lookup of the deployed controller was not found to stand in for" >&2; exit 1; }
+"$helm" template inpod "$chart" -n inpod-system "${tc[@]}" --show-only templates/controller-deployment.yaml >"$upgrade_chart/deployed.yaml"
+out=$("$helm" template inpod "$upgrade_chart" -n inpod-system "${tc[@]}" --set autoscaler=karpenter --show-only templates/controller-deployment.yaml)
+for want in '--taint=readiness.k8s.io/inpod-redirection:NoSchedule' '--previous-taints=inpod.dev/not-ready:NoSchedule' '- key: inpod.dev/not-ready'; do
+  grep -qF -- "$want" <<<"$out" || { echo "upgrade none -> karpenter: rendered Deployment lacks $want" >&2; echo "$out" >&2; exit 1; }
+done
+# A second change before the first one's nodes are all ready keeps both.
+printf '%s\n' "$out" >"$upgrade_chart/deployed.yaml"
+out=$("$helm" template inpod "$upgrade_chart" -n inpod-system "${tc[@]}" --set autoscaler=cluster-autoscaler --show-only templates/controller-deployment.yaml)
+grep -qF -- '--previous-taints=readiness.k8s.io/inpod-redirection:NoSchedule,inpod.dev/not-ready:NoSchedule' <<<"$out" ||
+  { echo "upgrade karpenter -> cluster-autoscaler: the earlier --previous-taints are dropped" >&2; echo "$out" >&2; exit 1; }
+# Back to a key it had: that one is current, not previous.
+printf '%s\n' "$out" >"$upgrade_chart/deployed.yaml"
+out=$("$helm" template inpod "$upgrade_chart" -n inpod-system "${tc[@]}" --show-only templates/controller-deployment.yaml)
+grep -qF -- '--previous-taints=startup-taint.cluster-autoscaler.kubernetes.io/inpod-redirection:NoSchedule,readiness.k8s.io/inpod-redirection:NoSchedule' <<<"$out" ||
+  { echo "upgrade back to autoscaler=none: want the other two keys previous, not the current one" >&2; echo "$out" >&2; exit 1; }
 refuse "karpenter issue 751" --set autoscaler=karpenter
 refuse "autoscaler=karpenter with gate dra" --set autoscaler=karpenter --set 'gates={dra}'
 "$helm" template inpod "$chart" -n inpod-system --set autoscaler=karpenter --set 'gates={deviceplugin}' --set enrollment.autoRequest.enabled=false >/dev/null ||

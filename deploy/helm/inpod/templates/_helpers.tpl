@@ -60,6 +60,39 @@ autoscaler waits out as a startup taint (values.yaml, autoscaler). */}}
 {{ include "inpod.taintKey" . }}:{{ .Values.controller.taint.effect }}
 {{- end }}
 
+{{/* The startup taints of earlier configurations, as inpod-controller's
+--previous-taints (comma-separated; empty: none): the controller removes them
+when it would remove its own and never adds them, so a key (or effect)
+changed on upgrade strands no node. From controller.taint.previousKeys (a key
+alone: either effect), and, on a live install (lookup finds nothing under
+helm template), the deployed controller's --taint and the --previous-taints
+it already carried: a second change before the first one's nodes are ready
+strands none either. The current taint is never one of them. */}}
+{{- define "inpod.previousTaints" -}}
+{{- $current := include "inpod.controllerTaint" . }}
+{{- $all := list }}
+{{- range (.Values.controller.taint.previousKeys | default list) }}
+{{- $all = append $all . }}
+{{- end }}
+{{- $deployed := lookup "apps/v1" "Deployment" .Release.Namespace "inpod-controller" }}
+{{- range (dig "spec" "template" "spec" "containers" list $deployed) }}
+{{- if eq .name "controller" }}
+{{- range (.args | default list) }}
+{{- if hasPrefix "--taint=" . }}
+{{- $all = append $all (trimPrefix "--taint=" .) }}
+{{- else if hasPrefix "--previous-taints=" . }}
+{{- $all = concat $all (splitList "," (trimPrefix "--previous-taints=" .)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $out := list }}
+{{- range $all }}
+{{- if and . (ne . $current) }}{{ $out = append $out . }}{{ end }}
+{{- end }}
+{{- join "," ($out | uniq) }}
+{{- end }}
+
 {{/* The mesh nodes: agent.nodeSelector merged with controller.nodeSelector
 (the controller's wins on a shared key). A node the agent never runs on must
 never match, or the node-taint policy taints it and nothing removes the
