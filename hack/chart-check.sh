@@ -377,6 +377,18 @@ out=$(notes --set autoscaler=cluster-autoscaler)
 grep -qF 'k8s.io/cluster-autoscaler/node-template/resources/inpod.dev/redirection=' <<<"$out" || { echo "autoscaler=cluster-autoscaler: NOTES.txt lacks the node-template resource" >&2; exit 1; }
 out=$(notes --set autoscaler=karpenter --set 'gates={node-condition}' --set controller.enabled=true --set controller.nodeTaintPolicy.enabled=true)
 grep -qF 'readiness.k8s.io/inpod-redirection:NoSchedule is one karpenter waits out' <<<"$out" || { echo "autoscaler=karpenter: NOTES.txt does not name the startup taint" >&2; echo "$out" >&2; exit 1; }
+# A key of one's own is a startup taint to the autoscaler only when it has
+# the prefix; otherwise NOTES.txt warns, naming what to set.
+for as in karpenter cluster-autoscaler; do
+  out=$(notes --set autoscaler=$as "${tc[@]}" --set controller.taint.key=example.com/mine)
+  if grep -qF 'is one '"$as"' waits out' <<<"$out"; then echo "autoscaler=$as, controller.taint.key=example.com/mine: NOTES.txt claims a startup taint" >&2; exit 1; fi
+  want=$([[ $as == karpenter ]] && echo "startupTaints" || echo "--startup-taint")
+  for w in 'WARNING: the startup taint example.com/mine:NoSchedule' "$want" 'controller.taint.key=""'; do
+    grep -qF -- "$w" <<<"$out" || { echo "autoscaler=$as, controller.taint.key=example.com/mine: NOTES.txt lacks $w" >&2; echo "$out" >&2; exit 1; }
+  done
+done
+out=$(notes --set autoscaler=karpenter "${tc[@]}" --set controller.taint.key=readiness.k8s.io/mine)
+grep -qF 'readiness.k8s.io/mine:NoSchedule is one karpenter waits out' <<<"$out" || { echo "autoscaler=karpenter, a readiness.k8s.io/ key of one's own: NOTES.txt does not name it a startup taint" >&2; exit 1; }
 echo "chart: each autoscaler gets a startup taint it waits out; Karpenter refused with the gates it cannot scale for"
 
 # Platform options: SELinux and AppArmor per container, the controller's
