@@ -30,15 +30,16 @@ deps: ## [build] install the tools the build and tests need (staticcheck, protoc
 build: ## [build] the binaries, into ./bin
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='-s -w' -o $(BIN)/ ./cmd/...
 
-# The shipped images as tarballs without Docker (release/, inpod-release):
-# inpod-agent (with the iptables tools of this machine's Debian packages),
+# The shipped images without Docker (release/, inpod-release), each an OCI
+# image index for linux/amd64 and linux/arm64 in an OCI layout tarball:
+# inpod-agent (with the iptables tools of Debian's packages of each arch),
 # inpod-controller and inpod-waitready (the init container), plus
 # values-release.yaml pinning them by digest. Same commit, same digests. TAG
 # names the version. The ztunnel stand-in (a test peer) is no release image:
 # the demo and the e2e tests build it themselves.
 TAG ?= dev
 RELEASE = $(GO) run ./release/cmd/inpod-release --tag $(TAG)
-images: ## [build] the shipped images inpod-agent, inpod-controller, inpod-waitready as tarballs into ./bin/images (no Docker)
+images: ## [build] the shipped images inpod-agent, inpod-controller, inpod-waitready (OCI indexes, amd64+arm64) into ./bin/images (no Docker)
 	@command -v xtables-nft-multi >/dev/null || hack/install-deps.sh
 	$(RELEASE) --out $(BIN)/images --chart ''
 

@@ -7,6 +7,7 @@ import (
 	"os"
 	osexec "os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -49,7 +50,7 @@ func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The upgrade's image: the same agent with another digest.
-	spec, err := release.Agent(ctx, repo, "upgrade")
+	spec, err := release.Agent(ctx, repo, "upgrade", runtime.GOARCH)
 	if err != nil {
 		t.Fatal(err)
 	}

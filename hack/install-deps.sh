@@ -18,6 +18,8 @@ declare -A pkgs=(
   [containerd]=containerd
   [runc]=runc
   [python3]=python3
+  # runs the arm64 images' programs in release's tests
+  [qemu-aarch64-static]=qemu-user-static
 )
 missing=()
 for cmd in "${!pkgs[@]}"; do
@@ -33,6 +35,13 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+
+# Debian's iptables packages of the other image platform, unpacked into a
+# cache (hack/debian-root.sh; the release build would fetch them itself).
+case "$(go env GOARCH)" in
+  amd64) "$repo/hack/debian-root.sh" arm64 >/dev/null ;;
+  arm64) "$repo/hack/debian-root.sh" amd64 >/dev/null ;;
+esac
 
 # Go tools, pinned; protoc-gen-go follows the protobuf runtime in go.mod so
 # that `make generate` reproduces the committed code byte for byte.

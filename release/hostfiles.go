@@ -14,8 +14,14 @@ import (
 // symlink in the image, and every ELF file brings its interpreter and the
 // shared libraries it needs (DT_NEEDED, found in the multiarch and lib
 // dirs like the dynamic loader does without a cache), recursively.
-func HostFiles(paths ...string) ([]File, error) {
-	c := &hostCollector{files: map[string]File{}}
+func HostFiles(paths ...string) ([]File, error) { return RootFiles("/", paths...) }
+
+// RootFiles is HostFiles for the tree under root, as if root were / (an
+// architecture's packages unpacked: hack/debian-root.sh): paths, symlink
+// targets and libraries are looked up under root, and keep their paths
+// below it in the image.
+func RootFiles(root string, paths ...string) ([]File, error) {
+	c := &hostCollector{root: root, files: map[string]File{}}
 	for _, p := range paths {
 		if err := c.add(p, 0); err != nil {
 			return nil, err
@@ -29,7 +35,13 @@ func HostFiles(paths ...string) ([]File, error) {
 	return out, nil
 }
 
-type hostCollector struct{ files map[string]File }
+type hostCollector struct {
+	root  string
+	files map[string]File
+}
+
+// host is where the image path p is on this machine.
+func (c *hostCollector) host(p string) string { return filepath.Join(c.root, p) }
 
 // libDirs is where the loader looks when there is no ld.so.cache, in its
 // order (Debian's multiarch dirs first).
@@ -47,13 +59,13 @@ func (c *hostCollector) add(p string, depth int) error {
 	cur := "/"
 	for i, part := range parts {
 		next := filepath.Join(cur, part)
-		fi, err := os.Lstat(next)
+		fi, err := os.Lstat(c.host(next))
 		if err != nil {
 			return fmt.Errorf("release: host file: %w", err)
 		}
 		switch {
 		case fi.Mode()&os.ModeSymlink != 0:
-			target, err := os.Readlink(next)
+			target, err := os.Readlink(c.host(next))
 			if err != nil {
 				return err
 			}
@@ -72,7 +84,7 @@ func (c *hostCollector) add(p string, depth int) error {
 			if i != len(parts)-1 {
 				return fmt.Errorf("release: %s is not a directory", next)
 			}
-			data, err := os.ReadFile(next)
+			data, err := os.ReadFile(c.host(next))
 			if err != nil {
 				return err
 			}
@@ -87,7 +99,7 @@ func (c *hostCollector) add(p string, depth int) error {
 
 // addDeps adds what the ELF file p needs to run; other files need nothing.
 func (c *hostCollector) addDeps(p string, depth int) error {
-	f, err := elf.Open(p)
+	f, err := elf.Open(c.host(p))
 	if err != nil {
 		return nil // not ELF
 	}
@@ -111,7 +123,7 @@ func (c *hostCollector) addDeps(p string, depth int) error {
 	for _, lib := range libs {
 		found := false
 		for _, dir := range libDirs {
-			if _, err := os.Stat(filepath.Join(dir, lib)); err == nil {
+			if _, err := os.Stat(c.host(filepath.Join(dir, lib))); err == nil {
 				if err := c.add(filepath.Join(dir, lib), depth+1); err != nil {
 					return err
 				}
@@ -120,7 +132,7 @@ func (c *hostCollector) addDeps(p string, depth int) error {
 			}
 		}
 		if !found {
-			return fmt.Errorf("release: %s needs %s, not found in %v", p, lib, libDirs)
+			return fmt.Errorf("release: %s needs %s, not found in %v under %s", p, lib, libDirs, c.root)
 		}
 	}
 	return nil

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -15,7 +16,6 @@ import (
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
-	"github.com/google/go-containerregistry/pkg/v1/tarball"
 	"golang.org/x/sys/unix"
 
 	"github.com/inpod-dev/inpod/agent/redirect"
@@ -38,7 +38,7 @@ func built(t *testing.T) (string, []release.Built) {
 	shipped.once.Do(func() {
 		shipped.dir, shipped.err = os.MkdirTemp("", "inpod-images-")
 		if shipped.err == nil {
-			shipped.built, shipped.err = release.BuildImages(context.Background(), testkit.RepoDir(t), "test", shipped.dir)
+			shipped.built, shipped.err = release.BuildImages(context.Background(), testkit.RepoDir(t), "test", shipped.dir, nil)
 		}
 	})
 	if shipped.err != nil {
@@ -61,7 +61,7 @@ func TestShippedImagesAreReproducible(t *testing.T) {
 	}
 	_, first := built(t)
 	again := t.TempDir()
-	second, err := release.BuildImages(context.Background(), testkit.RepoDir(t), "test", again)
+	second, err := release.BuildImages(context.Background(), testkit.RepoDir(t), "test", again, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -89,10 +89,7 @@ func TestAgentImageRunsIPTablesBackends(t *testing.T) {
 	}
 	dir, _ := built(t)
 	root := t.TempDir()
-	img, err := tarball.ImageFromPath(filepath.Join(dir, "inpod-agent.tar"), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	img := platformImage(t, filepath.Join(dir, "inpod-agent.tar"), runtime.GOARCH)
 	extract(t, img, root)
 	// iptables-legacy-save finds its tables in /proc/net (the netns of
 	// the caller), as in the agent's container.
@@ -169,10 +166,7 @@ func TestAgentImageRunsIPTablesBackends(t *testing.T) {
 func TestWaitReadyImageRunsUnprivileged(t *testing.T) {
 	netnstest.RequireRoot(t)
 	dir, _ := built(t)
-	img, err := tarball.ImageFromPath(filepath.Join(dir, "inpod-waitready.tar"), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	img := platformImage(t, filepath.Join(dir, "inpod-waitready.tar"), runtime.GOARCH)
 	cf, err := img.ConfigFile()
 	if err != nil {
 		t.Fatal(err)
@@ -216,6 +210,21 @@ func TestWaitReadyImageRunsUnprivileged(t *testing.T) {
 		!strings.Contains(out.String(), "no route off the pod") {
 		t.Fatalf("exit %v, output:\n%s\nwant exit 1 naming the missing listeners and the missing route", err, out.String())
 	}
+}
+
+// platformImage is the linux/arch image of the image index in the tarball
+// file.
+func platformImage(t *testing.T, file, arch string) v1.Image {
+	t.Helper()
+	idx, err := release.ReadIndex(file, t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := release.PlatformImage(idx, arch)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return img
 }
 
 // extract writes img's flattened filesystem under root.

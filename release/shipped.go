@@ -3,8 +3,10 @@ package release
 import (
 	"context"
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 
 	"github.com/google/go-containerregistry/pkg/name"
@@ -45,26 +47,32 @@ var iptablesTools = func() []string {
 	return out
 }()
 
-// Agent is the inpod-agent image: the agent (entrypoint), inpod-cni and
-// inpod-cni-apicheck in CNIDir for the agent to install on the node, and the
-// iptables tools with their libraries and match/target extensions taken
-// from this machine (Debian's iptables package), so every redirection
-// backend runs from the image. The default backend, nftables, needs none of
-// them (netlink).
-func Agent(ctx context.Context, repoDir, tag string) (Spec, error) {
+// Agent is the inpod-agent image for linux/arch: the agent (entrypoint),
+// inpod-cni and inpod-cni-apicheck in CNIDir for the agent to install on
+// the node, and the iptables tools with their libraries and match/target
+// extensions from Debian's iptables package, so every redirection backend
+// runs from the image. The default backend, nftables, needs none of them
+// (netlink). For this machine's architecture the tools are its own; for
+// another, the same iptables version's packages of that architecture
+// (DebianRoot).
+func Agent(ctx context.Context, repoDir, tag, arch string) (Spec, error) {
+	root, iptablesVersion, err := DebianRoot(ctx, repoDir, arch)
+	if err != nil {
+		return Spec{}, err
+	}
 	var files []File
 	for _, b := range []struct{ pkg, path string }{
 		{"./cmd/inpod-agent", AgentBinary},
 		{"./cmd/inpod-cni", CNIDir + "/inpod-cni"},
 		{"./cmd/inpod-cni-apicheck", CNIDir + "/inpod-cni-apicheck"},
 	} {
-		data, err := GoBinary(ctx, repoDir, b.pkg)
+		data, err := GoBinaryFor(ctx, repoDir, b.pkg, arch)
 		if err != nil {
 			return Spec{}, err
 		}
 		files = append(files, File{Path: b.path, Mode: 0o755, Data: data})
 	}
-	exts, err := filepath.Glob("/usr/lib/*-linux-gnu/xtables/lib*.so")
+	exts, err := filepath.Glob(filepath.Join(root, "/usr/lib/*-linux-gnu/xtables/lib*.so"))
 	if err != nil {
 		return Spec{}, err
 	}
@@ -74,15 +82,15 @@ func Agent(ctx context.Context, repoDir, tag string) (Spec, error) {
 	for _, e := range exts {
 		base := filepath.Base(e)
 		if strings.HasPrefix(base, "libxt_") || strings.HasPrefix(base, "libipt_") || strings.HasPrefix(base, "libip6t_") {
-			keep = append(keep, e)
+			keep = append(keep, strings.TrimPrefix(e, filepath.Clean(root)))
 		}
 	}
 	if len(keep) == 0 {
-		return Spec{}, fmt.Errorf("release: no xtables extensions on this machine: apt-get install iptables")
+		return Spec{}, fmt.Errorf("release: no xtables extensions under %s: apt-get install iptables", root)
 	}
-	host, err := HostFiles(append(append([]string{}, iptablesTools...), keep...)...)
+	host, err := RootFiles(root, append(append([]string{}, iptablesTools...), keep...)...)
 	if err != nil {
-		return Spec{}, fmt.Errorf("%w (the agent image takes the iptables tools from this machine: apt-get install iptables)", err)
+		return Spec{}, fmt.Errorf("%w (the agent image takes the iptables tools from Debian's packages: apt-get install iptables)", err)
 	}
 	files = append(files, host...)
 	// iptables-legacy takes its lock in /run; the chart mounts an emptyDir
@@ -93,8 +101,8 @@ func Agent(ctx context.Context, repoDir, tag string) (Spec, error) {
 		"org.opencontainers.image.description": "inpod node agent: CNI plugin installer, pod redirection, ZDS server, scheduling gates",
 		"org.opencontainers.image.source":      "https://github.com/inpod-dev/inpod",
 	}
-	if v := debianVersion(ctx, "iptables"); v != "" {
-		labels["dev.inpod.iptables-debian-version"] = v
+	if iptablesVersion != "" {
+		labels["dev.inpod.iptables-debian-version"] = iptablesVersion
 	}
 	return Spec{
 		Ref:        AgentRepository + ":" + tag,
@@ -102,15 +110,41 @@ func Agent(ctx context.Context, repoDir, tag string) (Spec, error) {
 		Entrypoint: []string{AgentBinary},
 		Env:        []string{"PATH=/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
 		Labels:     labels,
+		Arch:       arch,
 	}, nil
+}
+
+// DebianRoot is where the agent image for linux/arch takes Debian's
+// iptables tools from, and their version: / for this machine's own
+// architecture; for another, the packages of that architecture unpacked by
+// hack/debian-root.sh of the repository in repoDir (a private apt state,
+// cached; it pins the version installed here).
+func DebianRoot(ctx context.Context, repoDir, arch string) (root, iptablesVersion string, err error) {
+	if arch == runtime.GOARCH {
+		return "/", debianVersion(ctx, "iptables"), nil
+	}
+	script := filepath.Join(repoDir, "hack", "debian-root.sh")
+	cmd := exec.CommandContext(ctx, script, arch)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return "", "", fmt.Errorf("release: Debian's %s packages for the agent image: %s: %v: %s", arch, script, err, stderr.String())
+	}
+	dir := strings.TrimSpace(string(out))
+	v, err := os.ReadFile(filepath.Join(dir, "iptables.version"))
+	if err != nil {
+		return "", "", fmt.Errorf("release: %s: %w", script, err)
+	}
+	return filepath.Join(dir, "root"), strings.TrimSpace(string(v)), nil
 }
 
 // Controller is the inpod-controller image (taint mode): the static binary
 // alone. It talks only to the API server, through the in-cluster service
 // account (whose CA the pod mounts), so it needs no CA bundle or shell; the
 // chart runs it as a non-root user with a read-only root filesystem.
-func Controller(ctx context.Context, repoDir, tag string) (Spec, error) {
-	data, err := GoBinary(ctx, repoDir, "./cmd/inpod-controller")
+func Controller(ctx context.Context, repoDir, tag, arch string) (Spec, error) {
+	data, err := GoBinaryFor(ctx, repoDir, "./cmd/inpod-controller", arch)
 	if err != nil {
 		return Spec{}, err
 	}
@@ -118,6 +152,7 @@ func Controller(ctx context.Context, repoDir, tag string) (Spec, error) {
 		Ref:        ControllerRepository + ":" + tag,
 		Files:      []File{{Path: ControllerBinary, Mode: 0o755, Data: data}},
 		Entrypoint: []string{ControllerBinary},
+		Arch:       arch,
 		Labels: map[string]string{
 			"org.opencontainers.image.title":       "inpod-controller",
 			"org.opencontainers.image.description": "inpod-controller: removes the startup taint from nodes whose inpod agent is ready (taint mode)",
@@ -136,8 +171,8 @@ const WaitReadyUser = "65532:65532"
 // pod, so it carries nothing else (no iptables tools, no agent), and on a
 // node where inpod is not installed yet (the case it exists for) it is
 // pulled in a moment instead of the agent's larger image.
-func WaitReady(ctx context.Context, repoDir, tag string) (Spec, error) {
-	data, err := GoBinary(ctx, repoDir, "./cmd/inpod-waitready")
+func WaitReady(ctx context.Context, repoDir, tag, arch string) (Spec, error) {
+	data, err := GoBinaryFor(ctx, repoDir, "./cmd/inpod-waitready", arch)
 	if err != nil {
 		return Spec{}, err
 	}
@@ -146,6 +181,7 @@ func WaitReady(ctx context.Context, repoDir, tag string) (Spec, error) {
 		Files:      []File{{Path: WaitReadyBinary, Mode: 0o755, Data: data}},
 		Entrypoint: []string{WaitReadyBinary},
 		User:       WaitReadyUser,
+		Arch:       arch,
 		Labels: map[string]string{
 			"org.opencontainers.image.title":       "inpod-waitready",
 			"org.opencontainers.image.description": "inpod's init container: waits, unprivileged, until redirection to ztunnel is in place in the pod's network namespace",
@@ -173,8 +209,9 @@ type Shipped struct {
 	// Values is where the chart takes it: <Values>.image.repository,
 	// .tag and .digest.
 	Values string
-	// Build gives the image of the repository in repoDir, tagged tag.
-	Build func(ctx context.Context, repoDir, tag string) (Spec, error)
+	// Build gives the image for linux/arch of the repository in repoDir,
+	// tagged tag.
+	Build func(ctx context.Context, repoDir, tag, arch string) (Spec, error)
 }
 
 // ShippedImages are the images inpod ships, in the order they are built.
@@ -193,17 +230,24 @@ type Built struct {
 	Tag string
 	// File is the tarball's path.
 	File string
-	// Digest is the image's (its manifest's) digest: the one a registry
-	// gives it once pushed.
+	// Digest is the image index's digest: the one a registry gives it
+	// once pushed, and the one the chart pins.
 	Digest v1.Hash
+	// Archs are the platforms in the index (linux/<arch>).
+	Archs []string
 }
 
 // Ref is the image's reference by tag.
 func (b Built) Ref() string { return b.Repository + ":" + b.Tag }
 
 // BuildImages builds every shipped image from the repository in repoDir,
-// tagged tag, into outDir as <name>.tar, in ShippedImages' order.
-func BuildImages(ctx context.Context, repoDir, tag, outDir string) ([]Built, error) {
+// tagged tag, for linux/<arch> of each of archs (nil: Platforms) into
+// outDir as <name>.tar (an OCI image index in an OCI layout tarball,
+// WriteIndex), in ShippedImages' order.
+func BuildImages(ctx context.Context, repoDir, tag, outDir string, archs []string) ([]Built, error) {
+	if archs == nil {
+		archs = Platforms
+	}
 	for _, s := range ShippedImages() {
 		if _, err := name.NewTag(s.Repository + ":" + tag); err != nil {
 			return nil, fmt.Errorf("release: tag %q: %w", tag, err)
@@ -211,16 +255,20 @@ func BuildImages(ctx context.Context, repoDir, tag, outDir string) ([]Built, err
 	}
 	var out []Built
 	for _, s := range ShippedImages() {
-		spec, err := s.Build(ctx, repoDir, tag)
-		if err != nil {
-			return nil, err
+		var specs []Spec
+		for _, arch := range archs {
+			spec, err := s.Build(ctx, repoDir, tag, arch)
+			if err != nil {
+				return nil, err
+			}
+			specs = append(specs, spec)
 		}
 		file := filepath.Join(outDir, s.Name+".tar")
-		d, err := Write(spec, file)
+		d, err := WriteIndex(s.Repository+":"+tag, specs, file)
 		if err != nil {
 			return nil, err
 		}
-		out = append(out, Built{Shipped: s, Tag: tag, File: file, Digest: d})
+		out = append(out, Built{Shipped: s, Tag: tag, File: file, Digest: d, Archs: archs})
 	}
 	return out, nil
 }

@@ -3,6 +3,7 @@ package images
 import (
 	"context"
 	"path/filepath"
+	"runtime"
 
 	"github.com/inpod-dev/inpod/release"
 )
@@ -50,7 +51,10 @@ func WriteStandIn(ctx context.Context, repoDir, tag, outDir string) (string, err
 // import into their node: the shipped images (package release, as make
 // release builds them: <name>.tar) and the stand-in (StandInFile).
 func BuildForChart(ctx context.Context, repoDir, tag, outDir string) error {
-	if _, err := release.BuildImages(ctx, repoDir, tag, outDir); err != nil {
+	// The test node runs this machine's platform: the other platforms'
+	// builds are the release tests' (and the e2e that installs from make
+	// release's artifacts).
+	if _, err := release.BuildImages(ctx, repoDir, tag, outDir, []string{runtime.GOARCH}); err != nil {
 		return err
 	}
 	_, err := WriteStandIn(ctx, repoDir, tag, outDir)

@@ -1,6 +1,7 @@
 // Command inpod-release builds a release of inpod without Docker (make
 // release): into --out, the shipped images inpod-agent, inpod-controller
-// and inpod-waitready as image tarballs (docker-archive), values-release.yaml
+// and inpod-waitready, each one OCI image index for linux/amd64 and
+// linux/arm64 (--platforms) in an OCI layout tarball, values-release.yaml
 // pinning each image to its repository and digest, and the chart packaged
 // by helm (versioned from --tag when it is a semantic version). Each
 // artifact is printed with its digest. With --chart empty it writes the
@@ -14,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 
 	"github.com/inpod-dev/inpod/internal/envflag"
 	"github.com/inpod-dev/inpod/release"
@@ -26,6 +28,7 @@ func main() {
 	tag := fs.String("tag", release.DevTag, "the images' tag; a semantic version (v1.2.3) also versions the chart")
 	chart := fs.String("chart", "deploy/helm/inpod", "the chart to package; empty: the images and the values file only")
 	helm := fs.String("helm", "bin/helm", "the helm binary that packages the chart")
+	platforms := fs.String("platforms", strings.Join(release.Platforms, ","), "the linux architectures each image's index holds, comma-separated; another than this machine's takes Debian's iptables packages of that architecture (hack/debian-root.sh, apt-get)")
 	err := envflag.Parse(fs, "inpod-release: build inpod's images, its packaged chart and a values file pinning the images by digest, without Docker", os.Args[1:])
 	if err == flag.ErrHelp {
 		return
@@ -33,8 +36,12 @@ func main() {
 	if err == nil && fs.NArg() > 0 {
 		err = fmt.Errorf("unexpected arguments %q (flags only)", fs.Args())
 	}
+	var archs []string
 	if err == nil {
-		err = run(context.Background(), *repo, *tag, *out, *chart, *helm)
+		archs, err = parsePlatforms(*platforms)
+	}
+	if err == nil {
+		err = run(context.Background(), *repo, *tag, *out, *chart, *helm, archs)
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "inpod-release:", err)
@@ -42,7 +49,28 @@ func main() {
 	}
 }
 
-func run(ctx context.Context, repo, tag, out, chart, helm string) error {
+// parsePlatforms reads --platforms: architectures (amd64) or platforms
+// (linux/amd64), each once.
+func parsePlatforms(s string) ([]string, error) {
+	var archs []string
+	seen := map[string]bool{}
+	for _, p := range strings.Split(s, ",") {
+		arch := strings.TrimPrefix(strings.TrimSpace(p), "linux/")
+		switch {
+		case arch == "":
+			return nil, fmt.Errorf("--platforms %q: an empty entry", s)
+		case strings.Contains(arch, "/"):
+			return nil, fmt.Errorf("--platforms %q: %q: only linux platforms (linux/<arch> or <arch>)", s, p)
+		case seen[arch]:
+			return nil, fmt.Errorf("--platforms %q: %s twice", s, arch)
+		}
+		seen[arch] = true
+		archs = append(archs, arch)
+	}
+	return archs, nil
+}
+
+func run(ctx context.Context, repo, tag, out, chart, helm string, archs []string) error {
 	if chart != "" {
 		// Before minutes of image builds.
 		if _, err := exec.LookPath(helm); err != nil {
@@ -59,7 +87,7 @@ func run(ctx context.Context, repo, tag, out, chart, helm string) error {
 	if err != nil {
 		return err
 	}
-	built, err := release.BuildImages(ctx, abs, tag, out)
+	built, err := release.BuildImages(ctx, abs, tag, out, archs)
 	if err != nil {
 		return err
 	}
@@ -68,7 +96,7 @@ func run(ctx context.Context, repo, tag, out, chart, helm string) error {
 		return err
 	}
 	for _, b := range built {
-		fmt.Printf("%s  %s  image %s\n", b.Digest, b.File, b.Ref())
+		fmt.Printf("%s  %s  image index %s (linux/%s)\n", b.Digest, b.File, b.Ref(), strings.Join(b.Archs, ", linux/"))
 	}
 	if err := printFile(values, "pins the images by digest"); err != nil {
 		return err
