@@ -29,7 +29,9 @@ import (
 func TestE2EChartDRAMode(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
-	c := newChartNode(ctx, t, "/var/lib/inpod-e2e-chartdra")
+	// Installed from make release's artifacts, as a user of a release
+	// installs: the agent runs by the digest the values file pins.
+	c := newReleasedChartNode(ctx, t, "/var/lib/inpod-e2e-chartdra")
 	slices := c.Client.ResourceV1().ResourceSlices()
 	// taints is the node's device's taints, or nil with no slice of ours.
 	taints := func() []string {
@@ -51,6 +53,7 @@ func TestE2EChartDRAMode(t *testing.T) {
 	if _, err := c.Client.ResourceV1().DeviceClasses().Get(ctx, dra.DefaultDriverName, metav1.GetOptions{}); err != nil {
 		t.Fatalf("the chart's DeviceClass: %v", err)
 	}
+	c.agentRunsReleasedImage(t)
 	testkit.Eventually(t, 2*time.Minute, "the node's slice published, its device tainted (no ztunnel)", func() bool {
 		keys := taints()
 		return len(keys) == 1 && keys[0] == dra.TaintKeyPrefix+"ztunnel-not-connected"

@@ -6,11 +6,13 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"go.yaml.in/yaml/v3"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -33,22 +35,104 @@ type chartNode struct {
 	repo    string
 	target  chart.Target
 	clients int
+	// released is the directory of make release's artifacts the chart is
+	// installed from (newReleasedChartNode); empty: from the source tree.
+	released string
 }
 
 func newChartNode(ctx context.Context, t *testing.T, root string) *chartNode {
+	t.Helper()
+	c := bareChartNode(ctx, t, root)
+	imgDir := t.TempDir()
+	if err := images.BuildForChart(ctx, c.repo, release.DevTag, imgDir); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.target.ImportImages(ctx, filepath.Join(imgDir, "inpod-agent.tar"), filepath.Join(imgDir, images.StandInFile),
+		filepath.Join(imgDir, "inpod-controller.tar"), filepath.Join(imgDir, "inpod-waitready.tar")); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// releasedTag is the version newReleasedChartNode releases as: a semantic
+// version, so the chart is packaged with it as a release's would be.
+const releasedTag = "v0.0.0-e2e"
+
+// newReleasedChartNode is a chartNode whose install takes what a user of a
+// release takes: make release's artifacts (its command, every platform),
+// the images imported from their OCI archives as a registry would serve
+// them, the chart from its package with values-release.yaml, so the agent
+// runs the image by the digest the values file pins.
+func newReleasedChartNode(ctx context.Context, t *testing.T, root string) *chartNode {
+	t.Helper()
+	c := bareChartNode(ctx, t, root)
+	c.released = t.TempDir()
+	cmd := exec.CommandContext(ctx, "go", "run", "./release/cmd/inpod-release", "--out", c.released, "--tag", releasedTag,
+		"--chart", "deploy/helm/inpod", "--helm", filepath.Join(c.repo, "bin", "helm"))
+	cmd.Dir = c.repo
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("make release's command: %v\n%s", err, out)
+	} else {
+		t.Logf("make release's command:\n%s", out)
+	}
+	standIn, err := images.WriteStandIn(ctx, c.repo, release.DevTag, t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.target.ImportImages(ctx, standIn); err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range release.ShippedImages() {
+		if err := c.target.ImportReleased(ctx, filepath.Join(c.released, s.Name+".tar"), s.Repository); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return c
+}
+
+// agentRunsReleasedImage waits for the agent pod and checks it runs the
+// image values-release.yaml pins, by digest: the chart referenced it as
+// <repository>@<digest> and the runtime ran the imported index under it.
+func (c *chartNode) agentRunsReleasedImage(t *testing.T) {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(c.released, release.ValuesFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var vals struct {
+		Agent struct {
+			Image struct{ Digest string } `yaml:"image"`
+		} `yaml:"agent"`
+	}
+	if err := yaml.Unmarshal(data, &vals); err != nil || !strings.HasPrefix(vals.Agent.Image.Digest, "sha256:") {
+		t.Fatalf("%s: agent.image.digest %q (%v)", release.ValuesFile, vals.Agent.Image.Digest, err)
+	}
+	want := release.AgentRepository + "@" + vals.Agent.Image.Digest
+	var seen string
+	testkit.Eventually(t, 2*time.Minute, "the agent container running "+want, func() bool {
+		pods, err := c.Client.CoreV1().Pods(chart.Namespace).List(c.ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=agent"})
+		if err != nil || len(pods.Items) != 1 {
+			return false
+		}
+		p := pods.Items[0]
+		for _, cs := range p.Status.ContainerStatuses {
+			if cs.Name == p.Spec.Containers[0].Name && cs.State.Running != nil {
+				seen = fmt.Sprintf("image %s, imageID %s", p.Spec.Containers[0].Image, cs.ImageID)
+				return p.Spec.Containers[0].Image == want && strings.HasSuffix(cs.ImageID, "@"+vals.Agent.Image.Digest)
+			}
+		}
+		return false
+	})
+	t.Logf("the agent runs the released image: %s", seen)
+}
+
+// bareChartNode is the node with its namespaces, no image imported yet.
+func bareChartNode(ctx context.Context, t *testing.T, root string) *chartNode {
 	t.Helper()
 	repo := testkit.RepoDir(t)
 	node := clustertest.Node(ctx, t, cluster.NodeConfig{Config: cluster.Config{Root: root}, RepoDir: repo})
 	c := &chartNode{Node: node, ctx: ctx, repo: repo, target: chart.NodeTarget(node)}
 	if err := chart.PrepareHost(); err != nil {
-		t.Fatal(err)
-	}
-	imgDir := t.TempDir()
-	if err := images.BuildForChart(ctx, repo, release.DevTag, imgDir); err != nil {
-		t.Fatal(err)
-	}
-	if err := c.target.ImportImages(ctx, filepath.Join(imgDir, "inpod-agent.tar"), filepath.Join(imgDir, images.StandInFile),
-		filepath.Join(imgDir, "inpod-controller.tar"), filepath.Join(imgDir, "inpod-waitready.tar")); err != nil {
 		t.Fatal(err)
 	}
 	for name, labels := range map[string]map[string]string{"mesh": {enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}, "plain": nil} {
@@ -105,10 +189,22 @@ func (c *chartNode) agentPodsReport() string {
 	return b.String()
 }
 
-// install installs or upgrades the chart with the node's values plus extra.
+// install installs or upgrades the chart with the node's values plus extra:
+// from the source tree, or from make release's artifacts for a node made by
+// newReleasedChartNode.
 func (c *chartNode) install(t *testing.T, extra ...string) {
 	t.Helper()
-	if err := c.target.Install(c.ctx, c.repo, release.DevTag, extra...); err != nil {
+	if c.released == "" {
+		if err := c.target.Install(c.ctx, c.repo, release.DevTag, extra...); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	pkgs, err := filepath.Glob(filepath.Join(c.released, "inpod-*.tgz"))
+	if err != nil || len(pkgs) != 1 {
+		t.Fatalf("make release's chart package: %v %v, want one inpod-<version>.tgz", pkgs, err)
+	}
+	if err := c.target.InstallRelease(c.ctx, c.repo, pkgs[0], filepath.Join(c.released, release.ValuesFile), extra...); err != nil {
 		t.Fatal(err)
 	}
 }

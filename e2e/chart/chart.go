@@ -71,10 +71,38 @@ func (t Target) ImportImages(ctx context.Context, tarballs ...string) error {
 	return nil
 }
 
-// Values are the chart values for this node: its CNI dirs, the images by
-// tag as imported (never pulled), and the API server's address, since the
-// node runs no kube-proxy for the `kubernetes` Service.
+// ImportReleased imports an image archive of make release's (an OCI index)
+// into the node's containerd under its repository, by tag and by digest:
+// a chart pinning it by digest runs it without a registry. containerd's
+// CRI resolves <repository>@<digest> only as an image of that name, which
+// a pull creates and a plain import does not (--digests does).
+func (t Target) ImportReleased(ctx context.Context, archive, repository string) error {
+	out, err := exec.CommandContext(ctx, "ctr", "--address", t.Containerd, "-n", "k8s.io", "images", "import",
+		"--base-name", repository, "--digests", archive).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("import %s: %v: %s", archive, err, out)
+	}
+	return nil
+}
+
+// Values are the chart values for this node (NodeValues) and the agent's
+// image by tag as imported (never pulled).
 func (t Target) Values(tag string) ([]string, error) {
+	vals, err := t.NodeValues()
+	if err != nil {
+		return nil, err
+	}
+	return append(vals,
+		"--set", "agent.image.repository="+release.AgentRepository,
+		"--set", "agent.image.tag="+tag,
+		"--set", "agent.image.pullPolicy=Never",
+	), nil
+}
+
+// NodeValues are the chart values for this node: its CNI dirs and the API
+// server's address, since the node runs no kube-proxy for the
+// `kubernetes` Service.
+func (t Target) NodeValues() ([]string, error) {
 	cfg, err := clientcmd.LoadFromFile(t.Kubeconfig)
 	if err != nil {
 		return nil, err
@@ -96,9 +124,6 @@ func (t Target) Values(tag string) ([]string, error) {
 		"--set", "paths.podResourcesSocket=" + filepath.Join(t.KubeletDir, "pod-resources", "kubelet.sock"),
 		"--set", "paths.draPluginRegistryDir=" + filepath.Join(t.KubeletDir, "plugins_registry"),
 		"--set", "paths.draPluginDir=" + filepath.Join(t.KubeletDir, "plugins", "redirection.inpod.dev"),
-		"--set", "agent.image.repository=" + release.AgentRepository,
-		"--set", "agent.image.tag=" + tag,
-		"--set", "agent.image.pullPolicy=Never",
 		"--set", "agent.apiServer.host=" + u.Hostname(),
 		"--set-string", "agent.apiServer.port=" + u.Port(),
 	}, nil
@@ -133,6 +158,21 @@ func (t Target) Install(ctx context.Context, repo, tag string, extra ...string) 
 	}
 	args := append([]string{"upgrade", "--install", Release, filepath.Join(repo, "deploy", "helm", "inpod"),
 		"-n", Namespace, "--create-namespace"}, vals...)
+	_, err = t.Helm(ctx, repo, append(args, extra...)...)
+	return err
+}
+
+// InstallRelease installs (or upgrades) the chart as make release
+// publishes it: the packaged chart pkg with the values file that pins the
+// images by digest, plus the node's values (NodeValues) and extra. The
+// images must be imported (ImportImages) under the repositories the chart
+// defaults to; the kubelet finds them by digest and pulls nothing.
+func (t Target) InstallRelease(ctx context.Context, repo, pkg, valuesFile string, extra ...string) error {
+	vals, err := t.NodeValues()
+	if err != nil {
+		return err
+	}
+	args := append([]string{"upgrade", "--install", Release, pkg, "-n", Namespace, "--create-namespace", "-f", valuesFile}, vals...)
 	_, err = t.Helm(ctx, repo, append(args, extra...)...)
 	return err
 }
