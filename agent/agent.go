@@ -790,7 +790,7 @@ func (a *Agent) refreshPassList(l *passlist.List, key types.NamespacedName) {
 type podRules struct{ *redirect.Engine }
 
 func (r podRules) Apply(ns *os.File, v enroll.Variant) (changed bool, err error) {
-	res, err := r.Engine.Apply(ns, redirect.Options{DNSCapture: v.DNSCapture, NoInboundCapture: v.NoInboundCapture})
+	res, err := r.Engine.Apply(ns, redirect.Options{DNSCapture: v.DNSCapture, NoInboundCapture: v.NoInboundCapture, VirtualInterfaces: v.VirtualInterfaces})
 	return res.Changed, err
 }
 

@@ -58,7 +58,7 @@ func newInformers(client kubernetes.Interface, meta metadata.Interface, node str
 }
 
 // keptPodAnnotations are the only annotations of a pod the agent reads.
-var keptPodAnnotations = []string{enrollment.RedirectionAnnotation, enroll.MirrorAnnotation, AnnotationDNSCapture, AnnotationBypassInboundCapture}
+var keptPodAnnotations = []string{enrollment.RedirectionAnnotation, enroll.MirrorAnnotation, AnnotationDNSCapture, AnnotationBypassInboundCapture, AnnotationRerouteVirtualInterfaces}
 
 // trimPod keeps of a pod exactly what the agent reads from its cache:
 //   - the policy (enrollment.Policy): namespace, labels, spec.hostNetwork;

@@ -120,6 +120,7 @@ func TestTrimPodKeepsWhatTheAgentReads(t *testing.T) {
 		"DNS opted out":      fullPod(func(p *corev1.Pod) { p.Annotations[AnnotationDNSCapture] = "false" }),
 		"DNS opted in":       fullPod(func(p *corev1.Pod) { p.Annotations[AnnotationDNSCapture] = "true" }),
 		"ingress mode":       fullPod(func(p *corev1.Pod) { p.Annotations[AnnotationBypassInboundCapture] = "true" }),
+		"virtual interfaces": fullPod(func(p *corev1.Pod) { p.Annotations[AnnotationRerouteVirtualInterfaces] = "virt0" }),
 		"terminating":        fullPod(func(p *corev1.Pod) { p.DeletionTimestamp = &deleting }),
 		"succeeded":          fullPod(func(p *corev1.Pod) { p.Status.Phase = corev1.PodSucceeded }),
 		"pending, no IPs":    fullPod(func(p *corev1.Pod) { p.Status = corev1.PodStatus{Phase: corev1.PodPending} }),

@@ -2,11 +2,14 @@ package agent
 
 import (
 	"log/slog"
+	"slices"
 	"strconv"
+	"strings"
 
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/agent/redirect"
 )
 
 // The pod annotations Istio's node agent honours in ambient mode that change
@@ -22,12 +25,19 @@ const (
 	// outbound traffic (Istio's ingress mode, for pods that take traffic
 	// from outside the mesh).
 	AnnotationBypassInboundCapture = "ambient.istio.io/bypass-inbound-capture"
+	// AnnotationRerouteVirtualInterfaces: a comma-separated list of the
+	// pod's interfaces whose incoming TCP is a guest's outbound traffic
+	// (KubeVirt's VMs): redirected to ztunnel's outbound listener.
+	AnnotationRerouteVirtualInterfaces = "istio.io/reroute-virtual-interfaces"
 )
 
 // variantOf decides each pod's variant of the redirection: the node's
 // defaults, overridden by the pod's annotations. A value strconv.ParseBool
 // refuses is ignored with a warning, as Istio ignores it: the pod keeps the
-// node's default, which for inbound capture is the stricter choice.
+// node's default, which for inbound capture is the stricter choice. A
+// virtual interface that is no interface name (redirect.ValidInterfaceName)
+// is left out with a warning, where Istio would write it into its rules:
+// its traffic stays under inbound capture, the stricter choice again.
 //
 // A pod's annotations are its owner's to set, like the enrollment label
 // that can take it out of the mesh altogether: neither can reach another
@@ -41,8 +51,28 @@ func variantOf(defaults enroll.Variant, log *slog.Logger) func(*corev1.Pod) enro
 		if on, ok := boolAnnotation(pod, AnnotationBypassInboundCapture, log); ok {
 			v.NoInboundCapture = on
 		}
+		v.VirtualInterfaces = virtualInterfaces(pod, log)
 		return v
 	}
+}
+
+func virtualInterfaces(pod *corev1.Pod, log *slog.Logger) []string {
+	raw, present := pod.Annotations[AnnotationRerouteVirtualInterfaces]
+	if !present {
+		return nil
+	}
+	var out []string
+	for _, name := range strings.Split(raw, ",") {
+		name = strings.TrimSpace(name)
+		switch {
+		case name == "" || slices.Contains(out, name):
+		case !redirect.ValidInterfaceName(name):
+			log.Warn("ignoring a virtual interface that is no interface name; its traffic stays under inbound capture", "pod", pod.Namespace+"/"+pod.Name, "annotation", AnnotationRerouteVirtualInterfaces, "value", name)
+		default:
+			out = append(out, name)
+		}
+	}
+	return out
 }
 
 func boolAnnotation(pod *corev1.Pod, name string, log *slog.Logger) (value, ok bool) {

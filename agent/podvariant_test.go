@@ -2,6 +2,7 @@ package agent
 
 import (
 	"log/slog"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -13,7 +14,8 @@ import (
 
 // Istio's per-pod overrides, as its node agent reads them: a valid boolean
 // overrides the node's default either way; anything else is ignored, with
-// a warning naming the pod.
+// a warning naming the pod. Virtual interfaces are a comma-separated list;
+// a name that is no interface name is left out, with a warning.
 func TestPodAnnotationsOverrideTheNodesVariant(t *testing.T) {
 	for _, tc := range []struct {
 		name        string
@@ -33,12 +35,17 @@ func TestPodAnnotationsOverrideTheNodesVariant(t *testing.T) {
 		{name: "not a boolean", nodeDNS: true, annotations: map[string]string{AnnotationDNSCapture: "no", AnnotationBypassInboundCapture: "yes"},
 			want: enroll.Variant{DNSCapture: true}, warns: true},
 		{name: "empty", annotations: map[string]string{AnnotationBypassInboundCapture: ""}, want: enroll.Variant{}, warns: true},
+		{name: "virtual interfaces", annotations: map[string]string{AnnotationRerouteVirtualInterfaces: " virt0, tap0_kata ,,virt0"},
+			want: enroll.Variant{VirtualInterfaces: []string{"virt0", "tap0_kata"}}},
+		{name: "a virtual interface that is no interface name", annotations: map[string]string{AnnotationRerouteVirtualInterfaces: "virt0,eth0 -j ACCEPT,net+"},
+			want: enroll.Variant{VirtualInterfaces: []string{"virt0"}}, warns: true},
+		{name: "no virtual interface", annotations: map[string]string{AnnotationRerouteVirtualInterfaces: " , "}, want: enroll.Variant{}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var logged strings.Builder
 			of := variantOf(enroll.Variant{DNSCapture: tc.nodeDNS}, slog.New(slog.NewTextHandler(&logged, nil)))
 			pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "p", Annotations: tc.annotations}}
-			if got := of(pod); got != tc.want {
+			if got := of(pod); !reflect.DeepEqual(got, tc.want) {
 				t.Errorf("variant = %v; want %v", got, tc.want)
 			}
 			if warned := strings.Contains(logged.String(), "mesh/p"); warned != tc.warns {

@@ -105,6 +105,9 @@ type Variant struct {
 	// NoInboundCapture: only outbound traffic is redirected (Istio's
 	// ingress mode).
 	NoInboundCapture bool
+	// VirtualInterfaces: the pod's interfaces whose incoming TCP is a
+	// guest's outbound traffic (Istio's reroute-virtual-interfaces).
+	VirtualInterfaces []string
 }
 
 // Config wires a Pipeline.

@@ -31,6 +31,9 @@ type Result struct {
 // Apply makes the pod netns redirect to ztunnel. It is idempotent: an intact
 // set is left alone, a partial or modified one replaced in one transaction.
 func (e *Engine) Apply(ns *os.File, opts Options) (Result, error) {
+	if err := opts.validate(); err != nil {
+		return Result{}, err
+	}
 	h, err := netlinkIn(ns)
 	if err != nil {
 		return Result{}, err

@@ -17,6 +17,7 @@ var variants = map[string]redirect.Options{
 	"default":    {},
 	"dns":        {DNSCapture: true},
 	"no-inbound": {NoInboundCapture: true},
+	"virtual":    {VirtualInterfaces: []string{"virt0", "tap0_kata"}},
 }
 
 func golden(t *testing.T, name, got string) {

@@ -48,7 +48,15 @@ func iptablesRules(f Family, o Options) iptRuleSet {
 		}},
 	}}
 
-	prert := []string{fmt.Sprintf("-s %s -p tcp -j ACCEPT", probe)}
+	// A virtual interface's TCP first: it is a guest's outbound traffic,
+	// and no inbound rule may see it.
+	var prert []string
+	for _, name := range o.VirtualInterfaces {
+		prert = append(prert,
+			fmt.Sprintf("-i %s -p tcp -j REDIRECT --to-ports %d", name, PortOutbound),
+			fmt.Sprintf("-i %s -p tcp -j RETURN", name))
+	}
+	prert = append(prert, fmt.Sprintf("-s %s -p tcp -j ACCEPT", probe))
 	if !o.NoInboundCapture {
 		prert = append(prert, fmt.Sprintf("! -d %s -p tcp -m tcp ! --dport %d %s -j REDIRECT --to-ports %d", lo, PortHBONE, notZtunnel, PortInbound))
 	}

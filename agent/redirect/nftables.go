@@ -74,9 +74,14 @@ func nftRules(opts Options, fams []Family) []nftChain {
 			})}}
 
 	natPre := nftChain{chain: chain("nat_prerouting", nftables.ChainTypeNAT, nftables.ChainHookPrerouting, nftables.ChainPriorityNATDest)}
-	natPre.rules = perFamily(func(f Family) []expr.Any {
+	for _, name := range opts.VirtualInterfaces {
+		natPre.rules = append(natPre.rules,
+			cat(iif(expr.CmpOpEq, name), l4(unix.IPPROTO_TCP), redirect(PortOutbound)),
+			cat(iif(expr.CmpOpEq, name), l4(unix.IPPROTO_TCP), []expr.Any{&expr.Verdict{Kind: expr.VerdictReturn}}))
+	}
+	natPre.rules = append(natPre.rules, perFamily(func(f Family) []expr.Any {
 		return cat(l4(unix.IPPROTO_TCP), addr(f, source, expr.CmpOpEq, f.probeSource().AsSlice()), accept())
-	})
+	})...)
 	if !opts.NoInboundCapture {
 		natPre.rules = append(natPre.rules, perFamily(func(f Family) []expr.Any {
 			return cat(l4(unix.IPPROTO_TCP), addr(f, destination, expr.CmpOpNeq, f.loopback().AsSlice()),
@@ -199,11 +204,15 @@ func port(end side, op expr.CmpOp, p uint16) []expr.Any {
 	}
 }
 
-func oif(op expr.CmpOp, name string) []expr.Any {
+func oif(op expr.CmpOp, name string) []expr.Any { return ifname(expr.MetaKeyOIFNAME, op, name) }
+
+func iif(op expr.CmpOp, name string) []expr.Any { return ifname(expr.MetaKeyIIFNAME, op, name) }
+
+func ifname(key expr.MetaKey, op expr.CmpOp, name string) []expr.Any {
 	b := make([]byte, unix.IFNAMSIZ)
 	copy(b, name)
 	return []expr.Any{
-		&expr.Meta{Key: expr.MetaKeyOIFNAME, Register: 1},
+		&expr.Meta{Key: key, Register: 1},
 		&expr.Cmp{Op: op, Register: 1, Data: b},
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"strings"
 )
 
 // What ztunnel needs; these are Istio's values, so that Istio's ztunnel
@@ -55,10 +56,49 @@ type Options struct {
 	// NoInboundCapture leaves inbound traffic alone (ingress-style pods):
 	// only outbound is redirected.
 	NoInboundCapture bool
+	// VirtualInterfaces are interfaces of the pod whose incoming TCP is a
+	// guest's outgoing traffic (a KubeVirt VM's tap, a nested container's
+	// bridge): it goes to ztunnel's outbound listener instead of the
+	// inbound one, and nothing else of the pod's inbound rules applies to
+	// it, as with Istio's istio.io/reroute-virtual-interfaces. UDP is left
+	// alone, as Istio leaves it. Each must be ValidInterfaceName: the
+	// names are written into the rules.
+	VirtualInterfaces []string
 }
 
 func (o Options) String() string {
-	return fmt.Sprintf("dns=%t inbound=%t", o.DNSCapture, !o.NoInboundCapture)
+	s := fmt.Sprintf("dns=%t inbound=%t", o.DNSCapture, !o.NoInboundCapture)
+	if len(o.VirtualInterfaces) > 0 {
+		s += " virtual-interfaces=" + strings.Join(o.VirtualInterfaces, ",")
+	}
+	return s
+}
+
+// ValidInterfaceName reports whether name can name a network interface
+// (the kernel's rule: 1 to 15 bytes, not "." or "..", no '/', ':' or
+// white space), restricted further to letters, digits, '_', '-' and '.',
+// so that a name taken from a pod can never change the meaning of a rule
+// (iptables-restore input, or iptables' '+' wildcard).
+func ValidInterfaceName(name string) bool {
+	if len(name) == 0 || len(name) >= 16 || name == "." || name == ".." {
+		return false
+	}
+	for _, r := range name {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '-' || r == '.') {
+			return false
+		}
+	}
+	return true
+}
+
+// validate refuses options whose names cannot be written safely.
+func (o Options) validate() error {
+	for _, name := range o.VirtualInterfaces {
+		if !ValidInterfaceName(name) {
+			return fmt.Errorf("virtual interface %q: not an interface name", name)
+		}
+	}
+	return nil
 }
 
 // Family is an address family of the rules.

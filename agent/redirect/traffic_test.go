@@ -184,3 +184,67 @@ func lineDiff(before, after string) string {
 	}
 	return strings.Join(out, "\n")
 }
+
+// TestVirtualInterfaceTrafficGoesOutbound: TCP arriving on a pod's virtual
+// interface (a guest VM behind it, here a netns on a veth named virt0) is
+// inbound capture's like any other until the interface is named; then it
+// goes to ztunnel's outbound listener with its original destination,
+// while the pod's own inbound traffic still goes to the inbound one.
+func TestVirtualInterfaceTrafficGoesOutbound(t *testing.T) {
+	const podOnVirt, guestIP = "192.0.2.1", "192.0.2.2"
+	for name, newBackend := range backends(t) {
+		t.Run(name, func(t *testing.T) {
+			tp := newTopology(t)
+			guest := netnstest.New(t)
+			tp.pod.Exec(t, "ip", "link", "add", "virt0", "type", "veth", "peer", "name", "eth0", "netns", guest.Name)
+			tp.pod.Exec(t, "ip", "addr", "add", podOnVirt+"/24", "dev", "virt0")
+			tp.pod.Exec(t, "ip", "link", "set", "virt0", "up")
+			tp.pod.Exec(t, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+			guest.Exec(t, "ip", "addr", "add", guestIP+"/24", "dev", "eth0")
+			guest.Exec(t, "ip", "link", "set", "eth0", "up")
+			guest.Exec(t, "ip", "route", "add", "default", "via", podOnVirt)
+			guestFile := guest.Open(t)
+
+			engine := redirect.NewEngine(newBackend())
+			if _, err := engine.Apply(tp.podFile, redirect.Options{}); err != nil {
+				t.Fatal(err)
+			}
+			out4 := hostPort(outsideIP4, appPort)
+			expectLanding(t, "guest → outside, interface not named", reply(t, guestFile, out4, 0), "ztunnel-15006", out4)
+
+			opts := redirect.Options{VirtualInterfaces: []string{"virt0"}}
+			res, err := engine.Apply(tp.podFile, opts)
+			if err != nil || !res.Changed {
+				t.Fatalf("Apply naming virt0 = %+v, %v; want a change", res, err)
+			}
+			expectLanding(t, "guest → outside", reply(t, guestFile, out4, 0), "ztunnel-15001", out4)
+			app4 := hostPort(podIP4, appPort)
+			expectLanding(t, "node → pod app", reply(t, tp.nodeFile, app4, 0), "ztunnel-15006", app4)
+			if res, err := engine.Apply(tp.podFile, opts); err != nil || res.Changed {
+				t.Fatalf("second Apply = %+v, %v; want nothing changed (the rules read back as written)", res, err)
+			}
+		})
+	}
+}
+
+// TestOptionsRefuseNamesThatAreNotInterfaces: a name that could change a
+// rule's meaning is refused before anything is written.
+func TestOptionsRefuseNamesThatAreNotInterfaces(t *testing.T) {
+	pod := netnstest.New(t)
+	for _, bad := range []string{"", "eth0 -j ACCEPT", "virt+", "a/b", "x:1", "..", "sixteen-chars-00", "eth0\n-A"} {
+		if redirect.ValidInterfaceName(bad) {
+			t.Errorf("ValidInterfaceName(%q) = true", bad)
+		}
+		if _, err := redirect.NewEngine(redirect.NewNFTables()).Apply(pod.Open(t), redirect.Options{VirtualInterfaces: []string{bad}}); err == nil {
+			t.Errorf("Apply with virtual interface %q: no error", bad)
+		}
+	}
+	if strings.Contains(pod.Exec(t, "nft", "list", "ruleset"), "inpod") {
+		t.Error("a refused Apply wrote rules")
+	}
+	for _, good := range []string{"virt0", "tap0_kata", "net1.100", "k6t-eth0", "fifteen-chars-0"} {
+		if !redirect.ValidInterfaceName(good) {
+			t.Errorf("ValidInterfaceName(%q) = false", good)
+		}
+	}
+}
