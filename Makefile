@@ -38,7 +38,9 @@ build: ## [build] the binaries, into ./bin
 # names the version. The ztunnel stand-in (a test peer) is no release image:
 # the demo and the e2e tests build it themselves.
 TAG ?= dev
-RELEASE = $(GO) run ./release/cmd/inpod-release --tag $(TAG)
+# The platforms of each image's index; the demo builds this machine's only.
+PLATFORMS ?= amd64,arm64
+RELEASE = $(GO) run ./release/cmd/inpod-release --tag $(TAG) --platforms $(PLATFORMS)
 images: ## [build] the shipped images inpod-agent, inpod-controller, inpod-waitready (OCI indexes, amd64+arm64) into ./bin/images (no Docker)
 	@command -v xtables-nft-multi >/dev/null || hack/install-deps.sh
 	$(RELEASE) --out $(BIN)/images --chart ''
@@ -202,7 +204,8 @@ cluster-down: ## [node] stop what cluster-up started
 # paths, so it starts under the e2e lock, and its processes keep holding it
 # (inherited) until demo-down stops them; a node already up is reused.
 NODE_UP = [ -e /var/lib/inpod-e2e.holder ] && kill -0 $$(cat /var/lib/inpod-e2e.holder) 2>/dev/null
-demo: deps images ## [start] bring up the local node, install inpod with its chart, show an enrolled pod gated and redirected
+demo: deps ## [start] bring up the local node, install inpod with its chart, show an enrolled pod gated and redirected
+	$(MAKE) --no-print-directory images PLATFORMS=$$($(GO) env GOARCH)
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/localnode ./e2e/cmd/localnode
 	CGO_ENABLED=0 $(GO) build -o $(BIN)/demo ./e2e/cmd/demo
 	if $(NODE_UP); then lock=; else lock="flock /tmp/inpod-e2e.lock"; fi; \

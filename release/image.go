@@ -2,19 +2,25 @@
 // without Docker or a registry: the images inpod-agent, inpod-controller
 // and inpod-waitready (Agent, Controller, WaitReady; BuildImages), and,
 // through cmd/inpod-release (make images, make release), the chart packaged
-// with a values file that pins those images by digest. The end-to-end
-// harness (e2e/) takes the shipped images from here, and builds its own
-// test images with this package's generic builder: Go binaries built from
-// this repository (GoBinary) and, for the agent, the iptables tools copied
-// from the build machine's Debian packages (HostFiles) become one layer
-// (Layer), written (Write) as an image tarball in the docker-archive format
-// (`docker save`'s) that containerd imports (`ctr images import`),
-// `docker load` reads and `crane push` pushes with the same digest.
+// with a values file that pins those images by digest.
+//
+// A shipped image is one OCI image index with an image per platform
+// (Platforms: linux/amd64 and linux/arm64), written (WriteIndex) as an OCI
+// image layout in a tarball (an "oci-archive") that containerd imports
+// (`ctr images import`) and skopeo and crane push with the index's digest.
+// Each platform's image is one layer (Layer) of Go binaries built from
+// this repository (GoBinaryFor) and, for the agent, Debian's iptables
+// tools of that architecture (RootFiles: this machine's own for its
+// platform, the same versions' packages unpacked by hack/debian-root.sh for
+// the other; DebianRoot). The end-to-end harness (e2e/) takes the shipped
+// images from here, and builds its own test images, for this machine only,
+// with the same builder (GoBinary, Write: one image in the docker-archive
+// format, `docker save`'s).
 //
 // The images are reproducible: the layer's entries are sorted, owned by
 // root and dated at the epoch, the config carries no creation time, and the
-// binaries are built with -trimpath; the same commit (and, for the agent,
-// the same Debian packages) gives the same digest.
+// binaries are built with -trimpath; the same commit and the same Debian
+// packages give the same digests.
 package release
 
 import (

@@ -2,6 +2,7 @@ package release_test
 
 import (
 	"bytes"
+	"context"
 	"debug/elf"
 	"encoding/json"
 	"io"
@@ -10,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -19,6 +21,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/types"
 
+	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/release"
 )
 
@@ -232,4 +235,57 @@ func TestArm64ImagesRunUnderQEMU(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestRootFilesPassOverLibrariesOfAnotherMachine: on a multiarch machine a
+// library of the wrong architecture can sit earlier on the loader's path
+// (here this machine's libmnl, copied where the arm64 loader looks first);
+// the arm64 image takes the arm64 one, as the loader would, and nothing of
+// another machine.
+func TestRootFilesPassOverLibrariesOfAnotherMachine(t *testing.T) {
+	native, err := filepath.EvalSymlinks("/usr/lib/" + release.Triplet(runtime.GOARCH) + "/libmnl.so.0")
+	if err != nil || runtime.GOARCH == "arm64" {
+		t.Skip("needs this machine's libmnl (Debian's iptables package) on a non-arm64 machine")
+	}
+	debian, _, err := release.DebianRoot(context.Background(), testkit.RepoDir(t), "arm64")
+	if err != nil {
+		t.Fatal(err)
+	}
+	root := t.TempDir()
+	if out, err := exec.Command("cp", "-a", debian+"/.", root).CombinedOutput(); err != nil {
+		t.Fatalf("copy the arm64 root: %v: %s", err, out)
+	}
+	wrong := filepath.Join(root, "lib/aarch64-linux-gnu")
+	if err := os.MkdirAll(wrong, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	data, err := os.ReadFile(native)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(wrong, "libmnl.so.0"), data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	files, err := release.RootFiles(root, "arm64", "/usr/sbin/xtables-nft-multi")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var tookMnl bool
+	for _, f := range files {
+		if strings.Contains(f.Path, "libmnl") {
+			tookMnl = tookMnl || strings.HasPrefix(f.Path, "/usr/lib/aarch64-linux-gnu/")
+			if strings.HasPrefix(f.Path, "/lib/aarch64-linux-gnu/") {
+				t.Errorf("took %s, this machine's library, into the arm64 image", f.Path)
+			}
+		}
+		if len(f.Data) == 0 {
+			continue
+		}
+		if e, err := elf.NewFile(bytes.NewReader(f.Data)); err == nil && e.Machine != elf.EM_AARCH64 {
+			t.Errorf("%s is built for %s", f.Path, e.Machine)
+		}
+	}
+	if !tookMnl {
+		t.Error("the arm64 libmnl is not in the image")
+	}
 }

@@ -72,7 +72,7 @@ func Agent(ctx context.Context, repoDir, tag, arch string) (Spec, error) {
 		}
 		files = append(files, File{Path: b.path, Mode: 0o755, Data: data})
 	}
-	exts, err := filepath.Glob(filepath.Join(root, "/usr/lib/*-linux-gnu/xtables/lib*.so"))
+	exts, err := filepath.Glob(filepath.Join(root, "/usr/lib", Triplet(arch), "xtables", "lib*.so"))
 	if err != nil {
 		return Spec{}, err
 	}
@@ -88,7 +88,7 @@ func Agent(ctx context.Context, repoDir, tag, arch string) (Spec, error) {
 	if len(keep) == 0 {
 		return Spec{}, fmt.Errorf("release: no xtables extensions under %s: apt-get install iptables", root)
 	}
-	host, err := RootFiles(root, append(append([]string{}, iptablesTools...), keep...)...)
+	host, err := RootFiles(root, arch, append(append([]string{}, iptablesTools...), keep...)...)
 	if err != nil {
 		return Spec{}, fmt.Errorf("%w (the agent image takes the iptables tools from Debian's packages: apt-get install iptables)", err)
 	}
