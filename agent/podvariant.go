@@ -69,6 +69,12 @@ func virtualInterfaces(pod *corev1.Pod, log *slog.Logger) []string {
 		case !redirect.ValidInterfaceName(name):
 			log.Warn("ignoring a virtual interface that is no interface name; its traffic stays under inbound capture", "pod", pod.Namespace+"/"+pod.Name, "annotation", AnnotationRerouteVirtualInterfaces, "value", name)
 		default:
+			if name == "eth0" || name == "lo" {
+				// As Istio allows it; but the pod's own inbound traffic
+				// (eth0) or local connections (lo) then reach ztunnel as
+				// the pod's outbound, past inbound policy.
+				log.Warn("a virtual interface names the pod's own interface: its traffic is treated as the pod's outbound", "pod", pod.Namespace+"/"+pod.Name, "annotation", AnnotationRerouteVirtualInterfaces, "value", name)
+			}
 			out = append(out, name)
 		}
 	}

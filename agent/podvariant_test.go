@@ -40,6 +40,8 @@ func TestPodAnnotationsOverrideTheNodesVariant(t *testing.T) {
 		{name: "a virtual interface that is no interface name", annotations: map[string]string{AnnotationRerouteVirtualInterfaces: "virt0,eth0 -j ACCEPT,net+"},
 			want: enroll.Variant{VirtualInterfaces: []string{"virt0"}}, warns: true},
 		{name: "no virtual interface", annotations: map[string]string{AnnotationRerouteVirtualInterfaces: " , "}, want: enroll.Variant{}},
+		{name: "the pod's own interface", annotations: map[string]string{AnnotationRerouteVirtualInterfaces: "eth0"},
+			want: enroll.Variant{VirtualInterfaces: []string{"eth0"}}, warns: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var logged strings.Builder

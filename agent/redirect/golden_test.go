@@ -14,10 +14,11 @@ import (
 var update = flag.Bool("update", false, "rewrite the golden files in testdata/")
 
 var variants = map[string]redirect.Options{
-	"default":    {},
-	"dns":        {DNSCapture: true},
-	"no-inbound": {NoInboundCapture: true},
-	"virtual":    {VirtualInterfaces: []string{"virt0", "tap0_kata"}},
+	"default":     {},
+	"dns":         {DNSCapture: true},
+	"no-inbound":  {NoInboundCapture: true},
+	"virtual":     {VirtualInterfaces: []string{"virt0", "tap0_kata"}},
+	"virtual-dns": {DNSCapture: true, VirtualInterfaces: []string{"virt0"}},
 }
 
 func golden(t *testing.T, name, got string) {

@@ -81,10 +81,17 @@ func iptablesRules(f Family, o Options) iptRuleSet {
 	if o.DNSCapture {
 		// DNS answers ztunnel relays must not be matched to the pod's own
 		// conntrack entries for its original queries.
+		// A guest's own queries (a virtual interface's, forwarded by the
+		// pod) go to that zone too: their answers come in from port 53
+		// like the relayed ones, and must find the query's entry to be
+		// un-NATed back to the guest.
+		var rawPrert []string
+		for _, name := range o.VirtualInterfaces {
+			rawPrert = append(rawPrert, fmt.Sprintf("-i %s -p udp -m udp --dport 53 -j CT --zone 1", name))
+		}
+		rawPrert = append(rawPrert, fmt.Sprintf("-p udp %s -m udp --sport 53 -j CT --zone 1", notZtunnel))
 		rs.tables = append(rs.tables, iptTable{name: "raw", chains: []iptChain{
-			{name: chainPrert, parent: "PREROUTING", rules: []string{
-				fmt.Sprintf("-p udp %s -m udp --sport 53 -j CT --zone 1", notZtunnel),
-			}},
+			{name: chainPrert, parent: "PREROUTING", rules: rawPrert},
 			{name: chainOutput, parent: "OUTPUT", rules: []string{
 				fmt.Sprintf("-p udp -m mark --mark %#x/%#x -m udp --dport 53 -j CT --zone 1", ZtunnelMark, MarkMask),
 			}},

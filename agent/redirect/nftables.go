@@ -116,9 +116,16 @@ func nftRules(opts Options, fams []Family) []nftChain {
 			&expr.Immediate{Register: 1, Data: binaryutil.NativeEndian.PutUint16(1)},
 			&expr.Ct{Key: expr.CtKeyZONE, SourceRegister: true, Register: 1},
 		}
+		// A guest's own queries share the zone of their answers, as in
+		// the iptables rule set.
+		var rawPre [][]expr.Any
+		for _, name := range opts.VirtualInterfaces {
+			rawPre = append(rawPre, cat(iif(expr.CmpOpEq, name), l4(unix.IPPROTO_UDP), port(destination, expr.CmpOpEq, 53), zone))
+		}
+		rawPre = append(rawPre, cat(l4(unix.IPPROTO_UDP), markMasked(expr.CmpOpNeq, ZtunnelMark), port(source, expr.CmpOpEq, 53), zone))
 		chains = append(chains,
 			nftChain{chain: chain("raw_prerouting", nftables.ChainTypeFilter, nftables.ChainHookPrerouting, nftables.ChainPriorityRaw),
-				rules: [][]expr.Any{cat(l4(unix.IPPROTO_UDP), markMasked(expr.CmpOpNeq, ZtunnelMark), port(source, expr.CmpOpEq, 53), zone)}},
+				rules: rawPre},
 			nftChain{chain: chain("raw_output", nftables.ChainTypeFilter, nftables.ChainHookOutput, nftables.ChainPriorityRaw),
 				rules: [][]expr.Any{cat(l4(unix.IPPROTO_UDP), markMasked(expr.CmpOpEq, ZtunnelMark), port(destination, expr.CmpOpEq, 53), zone)}},
 		)

@@ -1,11 +1,16 @@
 package redirect_test
 
 import (
+	"fmt"
+	"net"
 	"net/netip"
+	"os"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/netns/netnstest"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
@@ -247,4 +252,89 @@ func TestOptionsRefuseNamesThatAreNotInterfaces(t *testing.T) {
 			t.Errorf("ValidInterfaceName(%q) = false", good)
 		}
 	}
+}
+
+// TestVirtualInterfaceGuestDNSThroughMasquerade: with DNS capture on, a
+// guest's DNS query that the pod masquerades (as KubeVirt's masquerade
+// binding does) still gets its answer: the answer arriving from outside is
+// put in the conntrack zone of ztunnel's DNS relays, so the guest's query
+// must be tracked there too, or the answer is never un-NATed.
+func TestVirtualInterfaceGuestDNSThroughMasquerade(t *testing.T) {
+	const podOnVirt, guestIP = "192.0.2.1", "192.0.2.2"
+	for name, newBackend := range backends(t) {
+		t.Run(name, func(t *testing.T) {
+			tp := newTopology(t)
+			guest := netnstest.New(t)
+			tp.pod.Exec(t, "ip", "link", "add", "virt0", "type", "veth", "peer", "name", "eth0", "netns", guest.Name)
+			tp.pod.Exec(t, "ip", "addr", "add", podOnVirt+"/24", "dev", "virt0")
+			tp.pod.Exec(t, "ip", "link", "set", "virt0", "up")
+			tp.pod.Exec(t, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+			tp.pod.Exec(t, "nft", "add table ip guestnat; add chain ip guestnat post { type nat hook postrouting priority srcnat; }; add rule ip guestnat post oifname eth0 masquerade")
+			guest.Exec(t, "ip", "addr", "add", guestIP+"/24", "dev", "eth0")
+			guest.Exec(t, "ip", "link", "set", "eth0", "up")
+			guest.Exec(t, "ip", "route", "add", "default", "via", podOnVirt)
+			serveUDPEcho(t, tp.nodeFile, hostPort(outsideIP4, 53))
+
+			engine := redirect.NewEngine(newBackend())
+			opts := redirect.Options{DNSCapture: true, VirtualInterfaces: []string{"virt0"}}
+			if _, err := engine.Apply(tp.podFile, opts); err != nil {
+				t.Fatal(err)
+			}
+			if err := udpExchange(guest.Open(t), hostPort(outsideIP4, 53)); err != nil {
+				t.Fatalf("the guest's DNS query through the pod's masquerade: %v", err)
+			}
+			if res, err := engine.Apply(tp.podFile, opts); err != nil || res.Changed {
+				t.Fatalf("second Apply = %+v, %v; want nothing changed (the rules read back as written)", res, err)
+			}
+		})
+	}
+}
+
+// serveUDPEcho answers each datagram to addr, in ns, with itself.
+func serveUDPEcho(t *testing.T, ns *os.File, addr string) {
+	t.Helper()
+	var pc net.PacketConn
+	if err := netns.Do(ns, func() error {
+		var err error
+		pc, err = net.ListenPacket("udp4", addr)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pc.Close() })
+	go func() {
+		buf := make([]byte, 512)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			pc.WriteTo(buf[:n], from)
+		}
+	}()
+}
+
+// udpExchange sends a datagram from ns to addr and waits for it to come
+// back.
+func udpExchange(ns *os.File, addr string) error {
+	return netns.Do(ns, func() error {
+		c, err := net.Dial("udp4", addr)
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(2 * time.Second))
+		if _, err := c.Write([]byte("query")); err != nil {
+			return err
+		}
+		buf := make([]byte, 16)
+		n, err := c.Read(buf)
+		if err != nil {
+			return err
+		}
+		if string(buf[:n]) != "query" {
+			return fmt.Errorf("answered %q", buf[:n])
+		}
+		return nil
+	})
 }
