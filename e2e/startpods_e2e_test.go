@@ -37,13 +37,24 @@ import (
 // deleted, and gone, before it returns.
 func startPods(ctx context.Context, b testing.TB, c kubernetes.Interface, ns, prefix string, n int, concurrent bool, deadline time.Duration, check func(*corev1.Pod)) []time.Duration {
 	b.Helper()
+	return startShapedPods(ctx, b, c, ns, prefix, n, concurrent, deadline, nil, check)
+}
+
+// startShapedPods is startPods with shape, if set, changing each pod
+// before its creation.
+func startShapedPods(ctx context.Context, b testing.TB, c kubernetes.Interface, ns, prefix string, n int, concurrent bool, deadline time.Duration, shape, check func(*corev1.Pod)) []time.Duration {
+	b.Helper()
 	grace := int64(1)
 	newPod := func(name string) *corev1.Pod {
-		return &corev1.Pod{
+		p := &corev1.Pod{
 			ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{"round": prefix}},
 			Spec: corev1.PodSpec{TerminationGracePeriodSeconds: &grace, Containers: []corev1.Container{{
 				Name: "app", Image: images.TestAppRef, ImagePullPolicy: corev1.PullNever, Args: []string{"--listen", ":8080"}}}},
 		}
+		if shape != nil {
+			shape(p)
+		}
+		return p
 	}
 	pods := c.CoreV1().Pods(ns)
 	ready := func(o any) (*corev1.Pod, bool) {

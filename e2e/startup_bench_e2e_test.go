@@ -306,7 +306,17 @@ func waitGate(ctx context.Context, b *testing.B, c kubernetes.Interface, node *c
 // benchStartup measures pod start-up of enrolled and plain pods and
 // records it against the plain pods, the floor.
 func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, node *cluster.Node, mode string) {
-	for name, labels := range map[string]map[string]string{"mesh": {enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}, "plain": nil} {
+	// In initcontainer mode a third kind, outside the mesh, is the gate's
+	// own floor: pods with a no-op init container of the gate's image
+	// (inpod-waitready --help), so the cost of one more container is told
+	// apart from the check's.
+	kinds := []string{"plain", "mesh"}
+	namespaces := map[string]map[string]string{"mesh": {enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}, "plain": nil}
+	if mode == "initcontainer" {
+		kinds = append(kinds, "floor")
+		namespaces["floor"] = nil
+	}
+	for name, labels := range namespaces {
 		if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
 			b.Fatal(err)
 		}
@@ -314,8 +324,11 @@ func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, nod
 	// Warm-up, unmeasured (the first container from the image unpacks
 	// it), and a check that the enrolled pods are the real thing: the
 	// policy's request, the agent's annotation; the plain ones neither.
-	for _, ns := range []string{"mesh", "plain"} {
-		startPods(ctx, b, c, ns, "warm", 1, false, 2*time.Minute, func(p *corev1.Pod) {
+	for _, ns := range kinds {
+		startShapedPods(ctx, b, c, ns, "warm", 1, false, 2*time.Minute, shapeOf(ns), func(p *corev1.Pod) {
+			if ns == "floor" {
+				return
+			}
 			// The guard the chart's policy gives enrolled pods: the
 			// resource request, or in initcontainer mode the init container.
 			if mode == "initcontainer" {
@@ -351,8 +364,8 @@ func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, nod
 	one := map[string][]time.Duration{}
 	// One at a time, alternating, so drift over the run hits both kinds.
 	for i := range startupPods {
-		for _, ns := range []string{"plain", "mesh"} {
-			one[ns] = append(one[ns], startPods(ctx, b, c, ns, fmt.Sprintf("one-%d", i), 1, false, 2*time.Minute, nil)...)
+		for _, ns := range kinds {
+			one[ns] = append(one[ns], startShapedPods(ctx, b, c, ns, fmt.Sprintf("one-%d", i), 1, false, 2*time.Minute, shapeOf(ns), nil)...)
 		}
 	}
 	after := agent()
@@ -367,9 +380,13 @@ func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, nod
 	all := map[string][]time.Duration{}
 	var allEnroll agentSnapshot
 	cpu := map[string]float64{}
-	for i, ns := range []string{"plain", "mesh", "mesh", "plain"} {
+	order := []string{"plain", "mesh", "mesh", "plain"}
+	if mode == "initcontainer" {
+		order = []string{"plain", "floor", "mesh", "mesh", "floor", "plain"}
+	}
+	for i, ns := range order {
 		before := agent()
-		all[ns] = append(all[ns], startPods(ctx, b, c, ns, fmt.Sprintf("all-%d", i), startupPods, true, 3*time.Minute, nil)...)
+		all[ns] = append(all[ns], startShapedPods(ctx, b, c, ns, fmt.Sprintf("all-%d", i), startupPods, true, 3*time.Minute, shapeOf(ns), nil)...)
 		after := agent()
 		cpu[ns] += after.cpu - before.cpu
 		if ns == "mesh" {
@@ -401,6 +418,23 @@ func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, nod
 				Name:  fmt.Sprintf("enrolled pods, %s gate, %s, %s (%d pods)", mode, round.name, q.name, len(round.got["mesh"])),
 				Value: ms(enrolled), Unit: "ms", FloorName: "plain pods", Floor: ms(plain),
 				Target: "within 10 % or 50 ms of plain pods, whichever is larger"})
+			if floor := round.got["floor"]; len(floor) > 0 {
+				f := quantile(floor, q.q)
+				factor, target := 1.1, "within 1.1× of pods with a no-op init container"
+				if round.name != "one at a time" {
+					factor, target = 1.2, "within 1.2× of pods with a no-op init container"
+				}
+				verdict := "within target"
+				if float64(enrolled) > factor*float64(f) {
+					verdict = "MISSES the target"
+				}
+				b.Logf("%s, %s, %s: enrolled %s, its floor (no-op init container) %s, %.2f×: %s", mode, round.name, q.name,
+					enrolled.Round(time.Millisecond), f.Round(time.Millisecond), float64(enrolled)/float64(f), verdict)
+				benchreport.Record(b, benchreport.Figure{Section: benchreport.HeadlineSection,
+					Name:  fmt.Sprintf("enrolled pods, %s gate, %s, %s, against the gate's floor (%d pods)", mode, round.name, q.name, len(round.got["mesh"])),
+					Value: ms(enrolled), Unit: "ms", FloorName: "pods with a no-op init container of the same image", Floor: ms(f),
+					Target: target})
+			}
 		}
 	}
 	benchreport.Record(b, benchreport.Figure{Section: benchreport.HeadlineSection,
@@ -419,6 +453,20 @@ func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, nod
 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// shapeOf is how the start-up benchmark shapes the pods of kind ns: the
+// initcontainer gate's floor ("floor") gets a no-op init container of the
+// gate's image, as the chart's policy adds the real one (its image, pull
+// policy and user); the others are left as startPods makes them.
+func shapeOf(ns string) func(*corev1.Pod) {
+	if ns != "floor" {
+		return nil
+	}
+	return func(p *corev1.Pod) {
+		p.Spec.InitContainers = []corev1.Container{{Name: "noop", Image: release.WaitReadyRepository + ":" + release.DevTag,
+			ImagePullPolicy: corev1.PullNever, Args: []string{"--help"}}}
+	}
+}
 
 // agentSnapshot is a reading of the agent's metrics.
 type agentSnapshot struct {
