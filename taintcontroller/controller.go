@@ -574,7 +574,9 @@ func (r *reconciler) write(ctx context.Context, node *corev1.Node, o observation
 	meta := map[string]any{"resourceVersion": node.ResourceVersion}
 	body := map[string]any{"metadata": meta}
 	if c.cfg.Mode == Bootstrap && (a == removeTaint || a == markDone) {
-		meta["annotations"] = map[string]string{DoneAnnotation: c.now().UTC().Format(time.RFC3339)}
+		// Rewritten on every such write: it now names the current taint,
+		// whatever an earlier annotation named.
+		meta["annotations"] = map[string]string{DoneAnnotation: doneValue(c.now(), c.cfg.TaintKey, c.cfg.TaintEffect)}
 	}
 	var removed []string
 	switch a {
