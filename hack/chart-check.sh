@@ -363,6 +363,16 @@ notes "${tc[@]}" | grep -q 'earlier taints' && { echo "NOTES.txt names earlier t
 notes "${tc[@]}" | grep -qF "other startup taints (${others[none]})" ||
   { echo "NOTES.txt does not name the built-in keys the controller removes" >&2; exit 1; }
 refuse "controller/taint/previousKeys" --set-json 'controller.taint.previousKeys=["not a key"]'
+# The controller refuses a key whose name passes 63 characters or whose
+# prefix passes 253 (IsQualifiedName), and would crash-loop on it: the
+# schema refuses them first, and takes the longest it accepts
+# (taintcontroller's TestNewPreviousTaintKeyLengths).
+n63=$(printf 'n%.0s' {1..63}); l60=$(printf 'p%.0s' {1..60}); p253="$l60.$l60.$l60.$l60.ppppppppp"
+refuse "controller/taint/previousKeys" --set-json "controller.taint.previousKeys=[\"example.com/${n63}x\"]"
+refuse "controller/taint/previousKeys" --set-json "controller.taint.previousKeys=[\"${n63}x\"]"
+refuse "controller/taint/previousKeys" --set-json "controller.taint.previousKeys=[\"${p253}p/n\"]"
+"$helm" template inpod "$chart" -n inpod-system "${tc[@]}" --set-json "controller.taint.previousKeys=[\"$p253/$n63\"]" | grep -qF -- "--previous-taints=$p253/$n63," ||
+  { echo "controller.taint.previousKeys: a key of a 253-character prefix and a 63-character name is refused" >&2; exit 1; }
 notes "${tc[@]}" --set-json 'controller.taint.previousKeys=["inpod.dev/old"]' | grep -qF 'the earlier taints inpod.dev/old' ||
   { echo "NOTES.txt does not name the earlier taints the controller removes" >&2; exit 1; }
 upgrade_chart=$(mktemp -d)

@@ -2,6 +2,7 @@ package taintcontroller
 
 import (
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -218,6 +219,27 @@ func TestNewRejects(t *testing.T) {
 	} {
 		if _, err := New(cfg); err == nil {
 			t.Errorf("New(%+v) accepted", cfg)
+		}
+	}
+}
+
+// The longest previous key the controller takes, a 253-character prefix
+// and a 63-character name, and one character more of either: the chart's
+// schema (controller.taint.previousKeys) draws the same line
+// (hack/chart-check.sh), so the chart never renders a key that would stop
+// the controller from starting.
+func TestNewPreviousTaintKeyLengths(t *testing.T) {
+	label := strings.Repeat("p", 60)
+	prefix, name := strings.Join([]string{label, label, label, label, strings.Repeat("p", 9)}, "."), strings.Repeat("n", 63)
+	if len(prefix) != 253 {
+		t.Fatalf("prefix of %d characters", len(prefix))
+	}
+	if _, err := New(Config{Client: fakeClient(), PreviousTaints: []corev1.Taint{{Key: prefix + "/" + name}}}); err != nil {
+		t.Fatalf("253-character prefix, 63-character name: %v", err)
+	}
+	for _, key := range []string{prefix + "p/" + name, prefix + "/" + name + "n", name + "n"} {
+		if _, err := New(Config{Client: fakeClient(), PreviousTaints: []corev1.Taint{{Key: key}}}); err == nil {
+			t.Errorf("New accepted previous key %q (prefix or name too long)", key)
 		}
 	}
 }
