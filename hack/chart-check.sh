@@ -359,10 +359,21 @@ for a in none karpenter cluster-autoscaler; do
     grep -qxF -- "        - key: $k" <<<"$out" || { echo "autoscaler=$a: the controller does not tolerate $k" >&2; exit 1; }
   done
 done
-notes "${tc[@]}" | grep -q 'earlier taints' && { echo "NOTES.txt names earlier taints where none were given" >&2; exit 1; }
+out=$(notes "${tc[@]}")
+grep -q 'earlier taints' <<<"$out" && { echo "NOTES.txt names earlier taints where none were given" >&2; exit 1; }
 notes "${tc[@]}" | grep -qF "other startup taints (${others[none]})" ||
   { echo "NOTES.txt does not name the built-in keys the controller removes" >&2; exit 1; }
 refuse "controller/taint/previousKeys" --set-json 'controller.taint.previousKeys=["not a key"]'
+# The current key listed as previous is not previous: compared by key, not
+# key:effect (no second toleration of it, no "earlier taint" in NOTES.txt).
+out=$("$helm" template inpod "$chart" -n inpod-system "${tc[@]}" --set autoscaler=karpenter --set-json 'controller.taint.previousKeys=["readiness.k8s.io/inpod-redirection"]' --show-only templates/controller-deployment.yaml)
+grep -qxF -- "            - --previous-taints=${others[karpenter]}" <<<"$out" ||
+  { echo "the current key in controller.taint.previousKeys is rendered as previous" >&2; echo "$out" >&2; exit 1; }
+[ "$(grep -cxF -- '        - key: readiness.k8s.io/inpod-redirection' <<<"$out")" = 1 ] ||
+  { echo "the current key in controller.taint.previousKeys is tolerated twice" >&2; echo "$out" >&2; exit 1; }
+out=$(notes "${tc[@]}" --set-json 'controller.taint.previousKeys=["inpod.dev/not-ready"]')
+grep -q 'earlier taints' <<<"$out" &&
+  { echo "NOTES.txt calls the current key in controller.taint.previousKeys an earlier taint" >&2; exit 1; }
 # The controller refuses a key whose name passes 63 characters or whose
 # prefix passes 253 (IsQualifiedName), and would crash-loop on it: the
 # schema refuses them first, and takes the longest it accepts

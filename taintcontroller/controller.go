@@ -165,8 +165,12 @@ func New(cfg Config) (*Controller, error) {
 		default:
 			return nil, fmt.Errorf("taintcontroller: previous taint %s: effect %q: want NoSchedule, PreferNoSchedule or none (both)", p.Key, p.Effect)
 		}
-		// The current taint is never "previous": it is added too.
-		if p.Key == cfg.TaintKey && p.Effect == cfg.TaintEffect {
+		// The current taint is never "previous": it is added too, and an
+		// entry of its key alone would also match the key's other effect,
+		// which is not inpod's unless named. Compared by key, then; only
+		// another effect named explicitly stays (the effect changed on
+		// upgrade: the chart passes the deployed key:effect).
+		if p.Key == cfg.TaintKey && (p.Effect == "" || p.Effect == cfg.TaintEffect) {
 			continue
 		}
 		previous = append(previous, corev1.Taint{Key: p.Key, Effect: p.Effect})

@@ -244,16 +244,18 @@ func TestNewPreviousTaintKeyLengths(t *testing.T) {
 	}
 }
 
-// The current taint listed as previous is dropped: it is added too, and
-// "previous" would only confuse the events.
+// The current key listed as previous is dropped, with its effect or alone:
+// it is added too, and "previous" would only confuse the events. Only its
+// other effect named explicitly stays (the effect changed on upgrade).
 func TestNewDropsCurrentFromPrevious(t *testing.T) {
 	c, err := New(Config{Client: fakeClient(), PreviousTaints: []corev1.Taint{
 		{Key: DefaultTaintKey, Effect: DefaultTaintEffect}, {Key: DefaultTaintKey}, {Key: "inpod.dev/old"},
+		{Key: DefaultTaintKey, Effect: corev1.TaintEffectPreferNoSchedule},
 	}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := []corev1.Taint{{Key: DefaultTaintKey}, {Key: "inpod.dev/old"}}
+	want := []corev1.Taint{{Key: "inpod.dev/old"}, {Key: DefaultTaintKey, Effect: corev1.TaintEffectPreferNoSchedule}}
 	if !slices.Equal(c.cfg.PreviousTaints, want) {
 		t.Fatalf("PreviousTaints = %+v, want %+v", c.cfg.PreviousTaints, want)
 	}
