@@ -619,7 +619,9 @@ func (r *reconciler) write(ctx context.Context, node *corev1.Node, o observation
 		what := strings.Join(removed, ", ")
 		r.events.Eventf(node, corev1.EventTypeNormal, eventReasonRemoved,
 			"removed %s: InPodRedirectionReady is True and the inpod agent pod is Ready (mode %s)", what, c.cfg.Mode)
-		c.log.Info("startup taint removed", "node", node.Name, "taint", taint, "removed", what, "mode", c.cfg.Mode)
+		// "taints": what this write removed, which may be only a previous
+		// taint (--taint alone would name one that was not there).
+		c.log.Info("startup taint removed", "node", node.Name, "taints", what, "mode", c.cfg.Mode)
 	case addTaint:
 		c.cfg.Metrics.added.Inc()
 		why := "InPodRedirectionReady is " + string(o.cond)
