@@ -339,14 +339,51 @@ if "$helm" template inpod "$chart" -n inpod-system -f <(printf 'controller:\n  e
 # tolerate them. helm template's lookup finds nothing, so a copy of the chart
 # reads "the deployed" Deployment from a file instead.
 tc=(--set 'gates={node-condition}' --set controller.enabled=true)
-out=$("$helm" template inpod "$chart" -n inpod-system "${tc[@]}" --set autoscaler=karpenter --set-json 'controller.taint.previousKeys=["inpod.dev/not-ready","readiness.k8s.io/inpod-redirection"]' --show-only templates/controller-deployment.yaml)
-for want in '--previous-taints=inpod.dev/not-ready,readiness.k8s.io/inpod-redirection' '- key: inpod.dev/not-ready'; do
+out=$("$helm" template inpod "$chart" -n inpod-system "${tc[@]}" --set autoscaler=karpenter --set-json 'controller.taint.previousKeys=["example.com/old","inpod.dev/not-ready"]' --show-only templates/controller-deployment.yaml)
+for want in '--previous-taints=example.com/old,inpod.dev/not-ready,startup-taint.cluster-autoscaler.kubernetes.io/inpod-redirection' '- key: example.com/old'; do
   grep -qF -- "$want" <<<"$out" || { echo "controller.taint.previousKeys: rendered Deployment lacks $want" >&2; exit 1; }
 done
-if "$helm" template inpod "$chart" -n inpod-system "${tc[@]}" | grep -q -- '--previous-taints'; then
-  echo "no earlier taint, yet --previous-taints is rendered" >&2; exit 1
-fi
+# inpod's other built-in keys are always previous, key alone: a rollback, a
+# downgrade or a GitOps render (no lookup) that switches autoscaler strands
+# no node either.
+declare -A others=(
+  [none]='readiness.k8s.io/inpod-redirection,startup-taint.cluster-autoscaler.kubernetes.io/inpod-redirection'
+  [karpenter]='inpod.dev/not-ready,startup-taint.cluster-autoscaler.kubernetes.io/inpod-redirection'
+  [cluster-autoscaler]='inpod.dev/not-ready,readiness.k8s.io/inpod-redirection'
+)
+for a in none karpenter cluster-autoscaler; do
+  out=$("$helm" template inpod "$chart" -n inpod-system "${tc[@]}" --set autoscaler="$a" --show-only templates/controller-deployment.yaml)
+  grep -qxF -- "            - --previous-taints=${others[$a]}" <<<"$out" ||
+    { echo "autoscaler=$a without lookup: want exactly the other built-in keys previous, ${others[$a]}" >&2; echo "$out" >&2; exit 1; }
+  for k in ${others[$a]//,/ }; do
+    grep -qxF -- "        - key: $k" <<<"$out" || { echo "autoscaler=$a: the controller does not tolerate $k" >&2; exit 1; }
+  done
+done
+out=$(notes "${tc[@]}")
+grep -q 'earlier taints' <<<"$out" && { echo "NOTES.txt names earlier taints where none were given" >&2; exit 1; }
+notes "${tc[@]}" | grep -qF "other startup taints (${others[none]})" ||
+  { echo "NOTES.txt does not name the built-in keys the controller removes" >&2; exit 1; }
 refuse "controller/taint/previousKeys" --set-json 'controller.taint.previousKeys=["not a key"]'
+# The current key listed as previous is not previous: compared by key, not
+# key:effect (no second toleration of it, no "earlier taint" in NOTES.txt).
+out=$("$helm" template inpod "$chart" -n inpod-system "${tc[@]}" --set autoscaler=karpenter --set-json 'controller.taint.previousKeys=["readiness.k8s.io/inpod-redirection"]' --show-only templates/controller-deployment.yaml)
+grep -qxF -- "            - --previous-taints=${others[karpenter]}" <<<"$out" ||
+  { echo "the current key in controller.taint.previousKeys is rendered as previous" >&2; echo "$out" >&2; exit 1; }
+[ "$(grep -cxF -- '        - key: readiness.k8s.io/inpod-redirection' <<<"$out")" = 1 ] ||
+  { echo "the current key in controller.taint.previousKeys is tolerated twice" >&2; echo "$out" >&2; exit 1; }
+out=$(notes "${tc[@]}" --set-json 'controller.taint.previousKeys=["inpod.dev/not-ready"]')
+grep -q 'earlier taints' <<<"$out" &&
+  { echo "NOTES.txt calls the current key in controller.taint.previousKeys an earlier taint" >&2; exit 1; }
+# The controller refuses a key whose name passes 63 characters or whose
+# prefix passes 253 (IsQualifiedName), and would crash-loop on it: the
+# schema refuses them first, and takes the longest it accepts
+# (taintcontroller's TestNewPreviousTaintKeyLengths).
+n63=$(printf 'n%.0s' {1..63}); l60=$(printf 'p%.0s' {1..60}); p253="$l60.$l60.$l60.$l60.ppppppppp"
+refuse "controller/taint/previousKeys" --set-json "controller.taint.previousKeys=[\"example.com/${n63}x\"]"
+refuse "controller/taint/previousKeys" --set-json "controller.taint.previousKeys=[\"${n63}x\"]"
+refuse "controller/taint/previousKeys" --set-json "controller.taint.previousKeys=[\"${p253}p/n\"]"
+"$helm" template inpod "$chart" -n inpod-system "${tc[@]}" --set-json "controller.taint.previousKeys=[\"$p253/$n63\"]" | grep -qF -- "--previous-taints=$p253/$n63," ||
+  { echo "controller.taint.previousKeys: a key of a 253-character prefix and a 63-character name is refused" >&2; exit 1; }
 notes "${tc[@]}" --set-json 'controller.taint.previousKeys=["inpod.dev/old"]' | grep -qF 'the earlier taints inpod.dev/old' ||
   { echo "NOTES.txt does not name the earlier taints the controller removes" >&2; exit 1; }
 upgrade_chart=$(mktemp -d)
@@ -354,21 +391,33 @@ trap 'rm -rf "$notes_chart" "$upgrade_chart"' EXIT
 cp -R "$chart/." "$upgrade_chart/"
 sed -i 's|lookup "apps/v1" "Deployment" .Release.Namespace "inpod-controller"|.Files.Get "deployed.yaml" \| fromYaml|' "$upgrade_chart/templates/_helpers.tpl"
 grep -qF 'deployed.yaml' "$upgrade_chart/templates/_helpers.tpl" || { echo "chart-check: the lookup of the deployed controller was not found to stand in for" >&2; exit 1; }
-"$helm" template inpod "$chart" -n inpod-system "${tc[@]}" --show-only templates/controller-deployment.yaml >"$upgrade_chart/deployed.yaml"
-out=$("$helm" template inpod "$upgrade_chart" -n inpod-system "${tc[@]}" --set autoscaler=karpenter --show-only templates/controller-deployment.yaml)
-for want in '--taint=readiness.k8s.io/inpod-redirection:NoSchedule' '--previous-taints=inpod.dev/not-ready:NoSchedule' '- key: inpod.dev/not-ready'; do
-  grep -qF -- "$want" <<<"$out" || { echo "upgrade none -> karpenter: rendered Deployment lacks $want" >&2; echo "$out" >&2; exit 1; }
+deployed() { # helm args...: render "the deployed" controller
+  "$helm" template inpod "$upgrade_chart" -n inpod-system "${tc[@]}" "$@" --show-only templates/controller-deployment.yaml >"$upgrade_chart/deployed.yaml.new"
+  mv "$upgrade_chart/deployed.yaml.new" "$upgrade_chart/deployed.yaml"
+}
+: >"$upgrade_chart/deployed.yaml"
+deployed --set controller.taint.key=example.com/a
+out=$("$helm" template inpod "$upgrade_chart" -n inpod-system "${tc[@]}" --set controller.taint.key=example.com/b --show-only templates/controller-deployment.yaml)
+for want in '--taint=example.com/b:NoSchedule' "--previous-taints=example.com/a:NoSchedule,inpod.dev/not-ready,${others[none]}" '- key: example.com/a'; do
+  grep -qF -- "$want" <<<"$out" || { echo "upgrade key example.com/a -> b: rendered Deployment lacks $want" >&2; echo "$out" >&2; exit 1; }
 done
 # A second change before the first one's nodes are all ready keeps both.
-printf '%s\n' "$out" >"$upgrade_chart/deployed.yaml"
-out=$("$helm" template inpod "$upgrade_chart" -n inpod-system "${tc[@]}" --set autoscaler=cluster-autoscaler --show-only templates/controller-deployment.yaml)
-grep -qF -- '--previous-taints=readiness.k8s.io/inpod-redirection:NoSchedule,inpod.dev/not-ready:NoSchedule' <<<"$out" ||
-  { echo "upgrade karpenter -> cluster-autoscaler: the earlier --previous-taints are dropped" >&2; echo "$out" >&2; exit 1; }
-# Back to a key it had: that one is current, not previous.
-printf '%s\n' "$out" >"$upgrade_chart/deployed.yaml"
-out=$("$helm" template inpod "$upgrade_chart" -n inpod-system "${tc[@]}" --show-only templates/controller-deployment.yaml)
-grep -qF -- '--previous-taints=startup-taint.cluster-autoscaler.kubernetes.io/inpod-redirection:NoSchedule,readiness.k8s.io/inpod-redirection:NoSchedule' <<<"$out" ||
-  { echo "upgrade back to autoscaler=none: want the other two keys previous, not the current one" >&2; echo "$out" >&2; exit 1; }
+deployed --set controller.taint.key=example.com/b
+out=$("$helm" template inpod "$upgrade_chart" -n inpod-system "${tc[@]}" --set autoscaler=karpenter --show-only templates/controller-deployment.yaml)
+grep -qF -- "--previous-taints=example.com/b:NoSchedule,example.com/a:NoSchedule,${others[karpenter]}" <<<"$out" ||
+  { echo "upgrade example.com/b -> karpenter: the earlier --previous-taints are dropped" >&2; echo "$out" >&2; exit 1; }
+# Back to a key it had: that one is current, not previous, though the
+# deployed --previous-taints name it.
+deployed --set autoscaler=karpenter
+out=$("$helm" template inpod "$upgrade_chart" -n inpod-system "${tc[@]}" --set controller.taint.key=example.com/a --show-only templates/controller-deployment.yaml)
+grep -qxF -- "            - --previous-taints=example.com/b:NoSchedule,inpod.dev/not-ready,readiness.k8s.io/inpod-redirection,startup-taint.cluster-autoscaler.kubernetes.io/inpod-redirection" <<<"$out" ||
+  { echo "upgrade back to example.com/a: want the others previous, not the current one" >&2; echo "$out" >&2; exit 1; }
+# The effect alone changed: the old effect of the same key is previous.
+: >"$upgrade_chart/deployed.yaml"
+deployed
+out=$("$helm" template inpod "$upgrade_chart" -n inpod-system "${tc[@]}" --set controller.taint.effect=PreferNoSchedule --show-only templates/controller-deployment.yaml)
+grep -qxF -- "            - --previous-taints=inpod.dev/not-ready:NoSchedule,${others[none]}" <<<"$out" ||
+  { echo "upgrade effect NoSchedule -> PreferNoSchedule: the old effect is not previous" >&2; echo "$out" >&2; exit 1; }
 refuse "karpenter issue 751" --set autoscaler=karpenter
 refuse "autoscaler=karpenter with gate dra" --set autoscaler=karpenter --set 'gates={dra}'
 "$helm" template inpod "$chart" -n inpod-system --set autoscaler=karpenter --set 'gates={deviceplugin}' --set enrollment.autoRequest.enabled=false >/dev/null ||

@@ -165,8 +165,12 @@ func New(cfg Config) (*Controller, error) {
 		default:
 			return nil, fmt.Errorf("taintcontroller: previous taint %s: effect %q: want NoSchedule, PreferNoSchedule or none (both)", p.Key, p.Effect)
 		}
-		// The current taint is never "previous": it is added too.
-		if p.Key == cfg.TaintKey && p.Effect == cfg.TaintEffect {
+		// The current taint is never "previous": it is added too, and an
+		// entry of its key alone would also match the key's other effect,
+		// which is not inpod's unless named. Compared by key, then; only
+		// another effect named explicitly stays (the effect changed on
+		// upgrade: the chart passes the deployed key:effect).
+		if p.Key == cfg.TaintKey && (p.Effect == "" || p.Effect == cfg.TaintEffect) {
 			continue
 		}
 		previous = append(previous, corev1.Taint{Key: p.Key, Effect: p.Effect})
@@ -574,7 +578,9 @@ func (r *reconciler) write(ctx context.Context, node *corev1.Node, o observation
 	meta := map[string]any{"resourceVersion": node.ResourceVersion}
 	body := map[string]any{"metadata": meta}
 	if c.cfg.Mode == Bootstrap && (a == removeTaint || a == markDone) {
-		meta["annotations"] = map[string]string{DoneAnnotation: c.now().UTC().Format(time.RFC3339)}
+		// Rewritten on every such write: it now names the current taint,
+		// whatever an earlier annotation named.
+		meta["annotations"] = map[string]string{DoneAnnotation: doneValue(c.now(), c.cfg.TaintKey, c.cfg.TaintEffect)}
 	}
 	var removed []string
 	switch a {
@@ -613,7 +619,9 @@ func (r *reconciler) write(ctx context.Context, node *corev1.Node, o observation
 		what := strings.Join(removed, ", ")
 		r.events.Eventf(node, corev1.EventTypeNormal, eventReasonRemoved,
 			"removed %s: InPodRedirectionReady is True and the inpod agent pod is Ready (mode %s)", what, c.cfg.Mode)
-		c.log.Info("startup taint removed", "node", node.Name, "taint", taint, "removed", what, "mode", c.cfg.Mode)
+		// "taints": what this write removed, which may be only a previous
+		// taint (--taint alone would name one that was not there).
+		c.log.Info("startup taint removed", "node", node.Name, "taints", what, "mode", c.cfg.Mode)
 	case addTaint:
 		c.cfg.Metrics.added.Inc()
 		why := "InPodRedirectionReady is " + string(o.cond)

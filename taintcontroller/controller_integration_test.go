@@ -121,6 +121,10 @@ func TestIntegrationTaintBootstrapSurvivesRestart(t *testing.T) {
 	r := w.start(t, Config{Mode: Bootstrap})
 	w.waitTainted(t, "done", false)
 	r.stop()
+	current := taint.Key + ":" + string(taint.Effect)
+	if v := w.node(t, "done").Annotations[DoneAnnotation]; doneTaint(v) != current {
+		t.Fatalf("done annotation %q does not name the taint removed, %s", v, current)
+	}
 
 	// While no controller runs, someone puts the taint back on the
 	// finished node (an admin, or a pool's startup taints on an update),
@@ -132,12 +136,36 @@ func TestIntegrationTaintBootstrapSurvivesRestart(t *testing.T) {
 	}
 	w.addAgentPod(t, "unfinished", true)
 	w.setCondition(t, "unfinished", corev1.ConditionTrue)
+	// Two nodes carry the taint under an annotation that is not for it:
+	// "handover" was marked done by the old leader of a rolling update
+	// that changed the key (the node-taint policy already added the new
+	// one), "legacy" by a version that wrote the time alone. Neither is
+	// done for this taint, and neither is written before it is ready.
+	for name, v := range map[string]string{"handover": doneValue(time.Now(), "example.com/old", DefaultTaintEffect), "legacy": time.Now().UTC().Format(time.RFC3339)} {
+		w.addNode(t, name, nil)
+		n := w.node(t, name)
+		n.Annotations = map[string]string{DoneAnnotation: v}
+		if _, err := w.admin.CoreV1().Nodes().Update(context.Background(), n, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.addAgentPod(t, name, true)
+	}
 
 	r2 := w.start(t, Config{Mode: Bootstrap})
 	w.waitTainted(t, "unfinished", false)
 	w.barrier(t, nil)
 	if !w.tainted(t, "done") || r2.writes.count("PATCH nodes/done") != 0 {
 		t.Fatalf("restarted bootstrap controller re-opened the finished node (%d patches)", r2.writes.count("PATCH nodes/done"))
+	}
+	for _, name := range []string{"handover", "legacy"} {
+		if !w.tainted(t, name) || r2.writes.count("PATCH nodes/"+name) != 0 {
+			t.Fatalf("node %s untainted or written (%d patches) before its condition is True", name, r2.writes.count("PATCH nodes/"+name))
+		}
+		w.setCondition(t, name, corev1.ConditionTrue)
+		w.waitTainted(t, name, false)
+		if v := w.node(t, name).Annotations[DoneAnnotation]; doneTaint(v) != current {
+			t.Fatalf("node %s: done annotation %q, want it rewritten for %s", name, v, current)
+		}
 	}
 
 	// The same name created again is a new node: bootstrapped afresh,

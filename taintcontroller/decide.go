@@ -1,6 +1,7 @@
 package taintcontroller
 
 import (
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -18,8 +19,28 @@ const (
 	Continuous Mode = "continuous"
 )
 
-// DoneAnnotation marks a Node whose taint bootstrap mode has removed.
+// DoneAnnotation marks a Node whose taint bootstrap mode has removed (or
+// found absent on a ready node). Its value is the time and the taint it was
+// for, as doneValue writes it: "2026-12-06T03:30:04Z
+// inpod.dev/not-ready:NoSchedule". Older versions wrote the time alone.
 const DoneAnnotation = "inpod.dev/startup-taint-removed"
+
+// doneValue is DoneAnnotation's value for the taint key:effect at t. The
+// taint is in it because "done" only holds for that taint: during a rolling
+// update changing the key, the old leader marks done a node that the
+// node-taint policy already gave the new key, and the new leader must still
+// remove that one.
+func doneValue(t time.Time, key string, effect corev1.TaintEffect) string {
+	return t.UTC().Format(time.RFC3339) + " " + key + ":" + string(effect)
+}
+
+// doneTaint is the taint, key:effect, a DoneAnnotation value was written
+// for; "" for a value of an older version (the time alone), which cannot
+// say.
+func doneTaint(v string) string {
+	_, taint, _ := strings.Cut(strings.TrimSpace(v), " ")
+	return strings.TrimSpace(taint)
+}
 
 // observation is what the controller knows about one node.
 type observation struct {
@@ -27,8 +48,10 @@ type observation struct {
 	// previous: carries a taint of Config.PreviousTaints, which is only
 	// ever removed, under the rule that removes the startup taint.
 	previous bool
-	done     bool // DoneAnnotation present
-	cond     corev1.ConditionStatus
+	// done: DoneAnnotation is present and names every taint of the
+	// controller's (current or previous) the node carries; see observe.
+	done bool
+	cond corev1.ConditionStatus
 	// condSince is the condition's lastTransitionTime.
 	condSince  time.Time
 	agentReady bool // one of the node's agent pods is Ready and not terminating
@@ -106,7 +129,23 @@ func observe(node *corev1.Node, key string, effect corev1.TaintEffect, previous 
 			o.previous = true
 		}
 	}
-	_, o.done = node.Annotations[DoneAnnotation]
+	// A node is done only for the taint its annotation names. Another
+	// taint of ours on it — the current one under an annotation written
+	// for an earlier key, or by an older version that did not say which —
+	// may be one nothing else will ever remove, so the node is judged
+	// again (and removal still needs the node ready). A node carrying none
+	// stays done whatever its annotation names: nothing to remove, and no
+	// write.
+	if v, ok := node.Annotations[DoneAnnotation]; ok {
+		named := doneTaint(v)
+		o.done = true
+		for _, t := range node.Spec.Taints {
+			ours := t.Key == key && t.Effect == effect || matchesAny(t, previous)
+			if ours && t.Key+":"+string(t.Effect) != named {
+				o.done = false
+			}
+		}
+	}
 	for _, c := range node.Status.Conditions {
 		if c.Type == nodecondition.ConditionType {
 			o.cond, o.condSince = c.Status, c.LastTransitionTime.Time

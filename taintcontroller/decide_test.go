@@ -2,6 +2,7 @@ package taintcontroller
 
 import (
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -46,7 +47,9 @@ func TestDecide(t *testing.T) {
 		{"bootstrap: previous taint, condition True, agent pod not Ready", Bootstrap, observation{previous: true, cond: T}, time.Hour, none, 0},
 		{"bootstrap: previous taint, agent Ready, condition False", Bootstrap, observation{previous: true, cond: F, agentReady: true}, time.Hour, none, 0},
 		{"bootstrap: previous taint, no condition", Bootstrap, observation{previous: true, agentReady: true}, time.Hour, none, 0},
-		{"bootstrap: done, previous taint", Bootstrap, observation{previous: true, done: true, cond: T, agentReady: true}, 0, none, 0},
+		// done: the annotation names the previous taint (observe; see
+		// TestObserveDoneAnnotation for the annotations that do not).
+		{"bootstrap: done for the previous taint, taint back", Bootstrap, observation{previous: true, done: true, cond: T, agentReady: true}, 0, none, 0},
 		{"continuous: ready, previous taint only", Continuous, observation{previous: true, cond: T, agentReady: true}, 0, removeTaint, 0},
 		{"continuous: ready, both taints", Continuous, observation{tainted: true, previous: true, cond: T, agentReady: true}, 0, removeTaint, 0},
 		{"continuous: previous taint, agent gone", Continuous, observation{previous: true, cond: T, agentsAnywhere: true}, 10 * time.Second, none, 20 * time.Second},
@@ -61,6 +64,73 @@ func TestDecide(t *testing.T) {
 		})
 	}
 }
+
+// A node is done only for the taint its DoneAnnotation names. The current
+// taint on a node whose annotation names another one (the old leader of a
+// rolling update changing the key marked the node done, while the node-taint
+// policy already gave it the new key) or says none (an older version's bare
+// time) is removed on the usual evidence, never without it; a taint the
+// annotation names stays, as a done node's always did.
+func TestObserveDoneAnnotation(t *testing.T) {
+	const (
+		key = "readiness.k8s.io/inpod-redirection"
+		old = "inpod.dev/not-ready"
+	)
+	current := corev1.Taint{Key: key, Effect: corev1.TaintEffectNoSchedule}
+	oldTaint := corev1.Taint{Key: old, Effect: corev1.TaintEffectNoSchedule}
+	previous := []corev1.Taint{{Key: old}}
+	readyPod := &corev1.Pod{Status: corev1.PodStatus{Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}}}
+	at := time.Date(2026, 12, 6, 3, 30, 4, 0, time.UTC)
+	namesCurrent, namesOld := doneValue(at, key, corev1.TaintEffectNoSchedule), doneValue(at, old, corev1.TaintEffectNoSchedule)
+	const legacy = "2026-12-06T03:30:04Z"
+	for _, tc := range []struct {
+		name       string
+		annotation *string
+		taints     []corev1.Taint
+		ready      bool
+		want       action
+	}{
+		{"names another key, current taint, ready", &namesOld, []corev1.Taint{current}, true, removeTaint},
+		{"names another key, current taint, not ready", &namesOld, []corev1.Taint{current}, false, none},
+		{"legacy, current taint, ready", ptr(legacy), []corev1.Taint{current}, true, removeTaint},
+		{"legacy, current taint, not ready", ptr(legacy), []corev1.Taint{current}, false, none},
+		{"legacy, previous taint, ready", ptr(legacy), []corev1.Taint{oldTaint}, true, removeTaint},
+		{"names another effect, current taint, ready", ptr(doneValue(at, key, corev1.TaintEffectPreferNoSchedule)), []corev1.Taint{current}, true, removeTaint},
+		{"names the current key, taint back", &namesCurrent, []corev1.Taint{current}, true, none},
+		{"names the previous key, previous taint back", &namesOld, []corev1.Taint{oldTaint}, true, none},
+		{"names the current key, previous taint", &namesCurrent, []corev1.Taint{oldTaint}, true, removeTaint},
+		// Nothing to remove: done whatever it names, so no write.
+		{"names another key, untainted", &namesOld, nil, true, none},
+		{"legacy, untainted", ptr(legacy), []corev1.Taint{{Key: "example.com/other", Effect: corev1.TaintEffectNoSchedule}}, true, none},
+		{"no annotation, untainted", nil, nil, true, markDone},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			node := &corev1.Node{Spec: corev1.NodeSpec{Taints: tc.taints}}
+			if tc.annotation != nil {
+				node.Annotations = map[string]string{DoneAnnotation: *tc.annotation}
+			}
+			cond := corev1.ConditionFalse
+			if tc.ready {
+				cond = corev1.ConditionTrue
+			}
+			node.Status.Conditions = []corev1.NodeCondition{{Type: nodecondition.ConditionType, Status: cond}}
+			o := observe(node, key, corev1.TaintEffectNoSchedule, previous, []*corev1.Pod{readyPod})
+			if a, _ := decide(Bootstrap, o, time.Hour, time.Minute); a != tc.want {
+				t.Fatalf("decide(%+v) = %v, want %v", o, a, tc.want)
+			}
+		})
+	}
+	if got, want := namesCurrent, "2026-12-06T03:30:04Z readiness.k8s.io/inpod-redirection:NoSchedule"; got != want {
+		t.Errorf("doneValue = %q, want %q", got, want)
+	}
+	for v, want := range map[string]string{namesOld: old + ":NoSchedule", legacy: "", "": ""} {
+		if got := doneTaint(v); got != want {
+			t.Errorf("doneTaint(%q) = %q, want %q", v, got, want)
+		}
+	}
+}
+
+func ptr[T any](v T) *T { return &v }
 
 func TestObserve(t *testing.T) {
 	ready := func(s corev1.ConditionStatus) []corev1.PodCondition {
@@ -153,16 +223,39 @@ func TestNewRejects(t *testing.T) {
 	}
 }
 
-// The current taint listed as previous is dropped: it is added too, and
-// "previous" would only confuse the events.
+// The longest previous key the controller takes, a 253-character prefix
+// and a 63-character name, and one character more of either: the chart's
+// schema (controller.taint.previousKeys) draws the same line
+// (hack/chart-check.sh), so the chart never renders a key that would stop
+// the controller from starting.
+func TestNewPreviousTaintKeyLengths(t *testing.T) {
+	label := strings.Repeat("p", 60)
+	prefix, name := strings.Join([]string{label, label, label, label, strings.Repeat("p", 9)}, "."), strings.Repeat("n", 63)
+	if len(prefix) != 253 {
+		t.Fatalf("prefix of %d characters", len(prefix))
+	}
+	if _, err := New(Config{Client: fakeClient(), PreviousTaints: []corev1.Taint{{Key: prefix + "/" + name}}}); err != nil {
+		t.Fatalf("253-character prefix, 63-character name: %v", err)
+	}
+	for _, key := range []string{prefix + "p/" + name, prefix + "/" + name + "n", name + "n"} {
+		if _, err := New(Config{Client: fakeClient(), PreviousTaints: []corev1.Taint{{Key: key}}}); err == nil {
+			t.Errorf("New accepted previous key %q (prefix or name too long)", key)
+		}
+	}
+}
+
+// The current key listed as previous is dropped, with its effect or alone:
+// it is added too, and "previous" would only confuse the events. Only its
+// other effect named explicitly stays (the effect changed on upgrade).
 func TestNewDropsCurrentFromPrevious(t *testing.T) {
 	c, err := New(Config{Client: fakeClient(), PreviousTaints: []corev1.Taint{
 		{Key: DefaultTaintKey, Effect: DefaultTaintEffect}, {Key: DefaultTaintKey}, {Key: "inpod.dev/old"},
+		{Key: DefaultTaintKey, Effect: corev1.TaintEffectPreferNoSchedule},
 	}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := []corev1.Taint{{Key: DefaultTaintKey}, {Key: "inpod.dev/old"}}
+	want := []corev1.Taint{{Key: "inpod.dev/old"}, {Key: DefaultTaintKey, Effect: corev1.TaintEffectPreferNoSchedule}}
 	if !slices.Equal(c.cfg.PreviousTaints, want) {
 		t.Fatalf("PreviousTaints = %+v, want %+v", c.cfg.PreviousTaints, want)
 	}

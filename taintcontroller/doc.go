@@ -50,12 +50,18 @@
 // # Modes
 //
 // bootstrap removes the taint once per Node object and records that in the
-// annotation inpod.dev/startup-taint-removed on the Node itself, so a
-// controller restart or a leader change neither re-opens a finished node
-// (the annotation is there: the node is left alone for good) nor skips an
-// unfinished one (no annotation: the node is judged afresh). A Node deleted
-// and created again with the same name is a new object without the
-// annotation, and is bootstrapped again.
+// annotation inpod.dev/startup-taint-removed on the Node itself, with the
+// time and the taint it was for, so a controller restart or a leader change
+// neither re-opens a finished node (the annotation names the taint: the
+// node is left alone for good) nor skips an unfinished one (no annotation:
+// the node is judged afresh). A node is done only for the taint its
+// annotation names: one carrying another of the controller's taints (the
+// annotation written for an earlier key, by the old leader of a rolling
+// update that changed the key while the node-taint policy already added the
+// new one, or by an older version that wrote the time alone) is judged
+// again, and that taint removed on the same evidence. A Node deleted and
+// created again with the same name is a new object without the annotation,
+// and is bootstrapped again.
 //
 // continuous also adds the taint while the condition is False, or while the
 // node is not ready for another reason for longer than the grace period.

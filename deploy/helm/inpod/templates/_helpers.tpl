@@ -60,16 +60,36 @@ autoscaler waits out as a startup taint (values.yaml, autoscaler). */}}
 {{ include "inpod.taintKey" . }}:{{ .Values.controller.taint.effect }}
 {{- end }}
 
-{{/* The startup taints of earlier configurations, as inpod-controller's
---previous-taints (comma-separated; empty: none): the controller removes them
-when it would remove its own and never adds them, so a key (or effect)
-changed on upgrade strands no node. From controller.taint.previousKeys (a key
+{{/* inpod's own startup-taint keys, those inpod.taintKey picks by autoscaler,
+other than the current key (comma-separated). They are always in
+--previous-taints, key alone: a rollback, a downgrade or a GitOps render
+(helm template: no lookup) that switches autoscaler gets no deployed --taint,
+and nodes tainted under the other key would keep it for good. They are
+inpod's names, and the controller still removes them only from a ready
+node. */}}
+{{- define "inpod.builtinPreviousKeys" -}}
+{{- $current := include "inpod.taintKey" . }}
+{{- $out := list }}
+{{- range list "inpod.dev/not-ready" "readiness.k8s.io/inpod-redirection" "startup-taint.cluster-autoscaler.kubernetes.io/inpod-redirection" }}
+{{- if ne . $current }}{{ $out = append $out . }}{{ end }}
+{{- end }}
+{{- join "," $out }}
+{{- end }}
+
+{{/* The startup taints of earlier configurations beyond the built-in keys
+(comma-separated; empty: none). From controller.taint.previousKeys (a key
 alone: either effect), and, on a live install (lookup finds nothing under
 helm template), the deployed controller's --taint and the --previous-taints
 it already carried: a second change before the first one's nodes are ready
-strands none either. The current taint is never one of them. */}}
-{{- define "inpod.previousTaints" -}}
-{{- $current := include "inpod.controllerTaint" . }}
+strands none either. A key the built-in ones cover is left to them. The
+current taint is never one of them: an entry is compared by key (the
+deployed --previous-taints carry the built-in keys, the current one among
+them after a switch back), except one naming another effect, as the deployed
+--taint does when only the effect changed. */}}
+{{- define "inpod.earlierTaints" -}}
+{{- $currentKey := include "inpod.taintKey" . }}
+{{- $currentEffect := .Values.controller.taint.effect }}
+{{- $builtin := splitList "," (include "inpod.builtinPreviousKeys" .) }}
 {{- $all := list }}
 {{- range (.Values.controller.taint.previousKeys | default list) }}
 {{- $all = append $all . }}
@@ -88,9 +108,25 @@ strands none either. The current taint is never one of them. */}}
 {{- end }}
 {{- $out := list }}
 {{- range $all }}
-{{- if and . (ne . $current) }}{{ $out = append $out . }}{{ end }}
+{{- $kv := splitList ":" . }}
+{{- $effect := ternary (last $kv) "" (gt (len $kv) 1) }}
+{{- if or (not .) (has (first $kv) $builtin) }}
+{{- else if and (eq (first $kv) $currentKey) (or (not $effect) (eq $effect $currentEffect)) }}
+{{- else }}{{ $out = append $out . }}
+{{- end }}
 {{- end }}
 {{- join "," ($out | uniq) }}
+{{- end }}
+
+{{/* inpod-controller's --previous-taints: the earlier taints and the
+built-in keys. The controller removes them when it would remove its own
+(node ready) and never adds them, so a key (or effect) changed on upgrade,
+rollback or a GitOps render strands no node. */}}
+{{- define "inpod.previousTaints" -}}
+{{- $l := list }}
+{{- with include "inpod.earlierTaints" . }}{{ $l = append $l . }}{{ end }}
+{{- with include "inpod.builtinPreviousKeys" . }}{{ $l = append $l . }}{{ end }}
+{{- join "," $l }}
 {{- end }}
 
 {{/* The mesh nodes: agent.nodeSelector merged with controller.nodeSelector
