@@ -19,10 +19,12 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	"k8s.io/utils/ptr"
 
 	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/e2e/chart"
@@ -455,16 +457,25 @@ func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, nod
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 // shapeOf is how the start-up benchmark shapes the pods of kind ns: the
-// initcontainer gate's floor ("floor") gets a no-op init container of the
-// gate's image, as the chart's policy adds the real one (its image, pull
-// policy and user); the others are left as startPods makes them.
+// initcontainer gate's floor ("floor") gets a no-op init container shaped
+// as the chart's policy shapes the real one with its default values (the
+// gate's image, its resources, which bound its CPU, and its security
+// context), so that the difference is the check's own; the others are left
+// as startPods makes them.
 func shapeOf(ns string) func(*corev1.Pod) {
 	if ns != "floor" {
 		return nil
 	}
+	user := int64(65532)
+	resources := corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("50m"), corev1.ResourceMemory: resource.MustParse("32Mi")}
 	return func(p *corev1.Pod) {
 		p.Spec.InitContainers = []corev1.Container{{Name: "noop", Image: release.WaitReadyRepository + ":" + release.DevTag,
-			ImagePullPolicy: corev1.PullNever, Args: []string{"--help"}}}
+			ImagePullPolicy: corev1.PullNever, Args: []string{"--help"},
+			Resources: corev1.ResourceRequirements{Requests: resources, Limits: resources},
+			SecurityContext: &corev1.SecurityContext{RunAsNonRoot: ptr.To(true), RunAsUser: &user, RunAsGroup: &user,
+				ReadOnlyRootFilesystem: ptr.To(true), AllowPrivilegeEscalation: ptr.To(false), Privileged: ptr.To(false),
+				Capabilities:   &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}},
+				SeccompProfile: &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault}}}}
 	}
 }
 
