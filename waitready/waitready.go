@@ -91,11 +91,17 @@ const (
 
 // Defaults of Config.
 const (
-	DefaultTimeout     = 5 * time.Minute
-	DefaultProbePort   = 9
-	DefaultDialTimeout = 2 * time.Second
-	DefaultMinBackoff  = 100 * time.Millisecond
-	DefaultMaxBackoff  = 2 * time.Second
+	DefaultTimeout   = 5 * time.Minute
+	DefaultProbePort = 9
+	// A redirected probe ends on a listener in this netns: the kernel
+	// completes it at once, so half a second is ample even for a check
+	// throttled at its CPU limit (50m: 5 ms in every 100), and a probe
+	// that left the pod costs a waiting pod no more than that.
+	DefaultDialTimeout = 500 * time.Millisecond
+	// The pod waits at most MaxBackoff (plus an attempt) after redirection
+	// is in place; an attempt reads procfs and dials once or twice.
+	DefaultMinBackoff = 50 * time.Millisecond
+	DefaultMaxBackoff = time.Second
 	// DefaultProcNet is the procfs view of the calling thread's netns (the
 	// thread's, not the process's, so a test can run the check on a thread
 	// inside another netns).
