@@ -601,6 +601,12 @@ func (r *reconciler) write(ctx context.Context, node *corev1.Node, o observation
 		taints := append(withoutTaint(node.Spec.Taints, c.cfg.TaintKey, c.cfg.TaintEffect, nil),
 			corev1.Taint{Key: c.cfg.TaintKey, Effect: c.cfg.TaintEffect})
 		body["spec"] = map[string]any{"taints": taints}
+		// A done mark left by bootstrap mode would name exactly this
+		// taint: back in bootstrap mode the node would count as done and
+		// keep it for good. Tainted again, it is not done.
+		if _, ok := node.Annotations[DoneAnnotation]; ok {
+			meta["annotations"] = map[string]any{DoneAnnotation: nil}
+		}
 	}
 	patch, err := json.Marshal(body)
 	if err != nil {

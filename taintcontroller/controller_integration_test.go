@@ -182,6 +182,40 @@ func TestIntegrationTaintBootstrapSurvivesRestart(t *testing.T) {
 	w.waitTainted(t, "done", false)
 }
 
+// Bootstrap, then continuous, then bootstrap again (upgrades or a rollback
+// switching the mode): continuous mode taints a node bootstrap mode had
+// finished, and that write takes the done mark with it, or back in
+// bootstrap mode the node would count as done for exactly that taint and
+// keep it for good once ready.
+func TestIntegrationTaintModeSwitchesStrandNoNode(t *testing.T) {
+	w := newWorld(t)
+	w.addNode(t, "n", nil)
+	w.addAgentPod(t, "n", true)
+	w.setCondition(t, "n", corev1.ConditionTrue)
+	r := w.start(t, Config{Mode: Bootstrap})
+	w.waitTainted(t, "n", false)
+	r.stop()
+	if _, ok := w.node(t, "n").Annotations[DoneAnnotation]; !ok {
+		t.Fatal("bootstrap mode left no done mark")
+	}
+
+	r = w.start(t, Config{Mode: Continuous, Grace: time.Second})
+	w.setCondition(t, "n", corev1.ConditionFalse)
+	w.waitTainted(t, "n", true)
+	r.stop()
+	if v, ok := w.node(t, "n").Annotations[DoneAnnotation]; ok {
+		t.Fatalf("continuous mode tainted the node and kept its done mark %q", v)
+	}
+
+	w.start(t, Config{Mode: Bootstrap})
+	w.barrier(t, nil)
+	if !w.tainted(t, "n") {
+		t.Fatal("bootstrap mode removed the taint of a node that is not ready")
+	}
+	w.setCondition(t, "n", corev1.ConditionTrue)
+	w.waitTainted(t, "n", false)
+}
+
 func TestIntegrationTaintContinuous(t *testing.T) {
 	w := newWorld(t)
 	const grace = 1500 * time.Millisecond

@@ -35,11 +35,20 @@ func doneValue(t time.Time, key string, effect corev1.TaintEffect) string {
 }
 
 // doneTaint is the taint, key:effect, a DoneAnnotation value was written
-// for; "" for a value of an older version (the time alone), which cannot
-// say.
+// for: its last field, which holds a ':' where this version wrote it; ""
+// for a value of an older version (the time alone), which cannot say. A
+// value written by hand in another layout (a time with a space in it, the
+// taint alone, a tab) reads the same way.
 func doneTaint(v string) string {
-	_, taint, _ := strings.Cut(strings.TrimSpace(v), " ")
-	return strings.TrimSpace(taint)
+	fields := strings.Fields(v)
+	if len(fields) == 0 {
+		return ""
+	}
+	last := fields[len(fields)-1]
+	if _, err := time.Parse(time.RFC3339, last); err == nil || !strings.Contains(last, ":") || strings.HasSuffix(last, "Z") {
+		return ""
+	}
+	return last
 }
 
 // observation is what the controller knows about one node.

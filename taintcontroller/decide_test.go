@@ -260,3 +260,24 @@ func TestNewDropsCurrentFromPrevious(t *testing.T) {
 		t.Fatalf("PreviousTaints = %+v, want %+v", c.cfg.PreviousTaints, want)
 	}
 }
+
+// The taint a done mark names, in this version's layout and as a person
+// might write one: anything that is not a taint names none (the node is
+// judged again, never untainted without the ready evidence).
+func TestDoneTaintReadsTheLastField(t *testing.T) {
+	for v, want := range map[string]string{
+		doneValue(time.Date(2026, 12, 6, 3, 30, 4, 0, time.UTC), "inpod.dev/not-ready", corev1.TaintEffectNoSchedule): "inpod.dev/not-ready:NoSchedule",
+		"2026-12-06 03:30:04Z inpod.dev/not-ready:NoSchedule":                                                         "inpod.dev/not-ready:NoSchedule",
+		"inpod.dev/not-ready:NoSchedule":                                                                              "inpod.dev/not-ready:NoSchedule",
+		"2026-12-06T03:30:04Z\tinpod.dev/not-ready:PreferNoSchedule":                                                  "inpod.dev/not-ready:PreferNoSchedule",
+		"2026-12-06T03:30:04Z":      "",
+		"2026-12-06 03:30:04Z":      "",
+		"2026-12-06T03:30:04+01:00": "",
+		"done":                      "",
+		"":                          "",
+	} {
+		if got := doneTaint(v); got != want {
+			t.Errorf("doneTaint(%q) = %q, want %q", v, got, want)
+		}
+	}
+}
