@@ -374,6 +374,13 @@ grep -qxF -- "            - --previous-taints=${others[karpenter]}" <<<"$out" ||
 out=$(notes "${tc[@]}" --set-json 'controller.taint.previousKeys=["inpod.dev/not-ready"]')
 grep -q 'earlier taints' <<<"$out" &&
   { echo "NOTES.txt calls the current key in controller.taint.previousKeys an earlier taint" >&2; exit 1; }
+# An effect change without lookup (helm template, GitOps): the current key
+# with its old effect is listed, rendered as previous, and tolerated; an
+# effect the controller refuses is refused by the schema.
+out=$("$helm" template inpod "$chart" -n inpod-system "${tc[@]}" --set controller.taint.effect=PreferNoSchedule --set-json 'controller.taint.previousKeys=["inpod.dev/not-ready:NoSchedule"]' --show-only templates/controller-deployment.yaml)
+grep -qE -- '--previous-taints=([^ ]*,)?inpod.dev/not-ready:NoSchedule(,|$)' <<<"$out" ||
+  { echo "controller.taint.previousKeys: the current key with its old effect is not rendered as previous" >&2; echo "$out" >&2; exit 1; }
+refuse "controller/taint/previousKeys" --set-json 'controller.taint.previousKeys=["inpod.dev/old:NoExecute"]'
 # The controller refuses a key whose name passes 63 characters or whose
 # prefix passes 253 (IsQualifiedName), and would crash-loop on it: the
 # schema refuses them first, and takes the longest it accepts
