@@ -619,7 +619,9 @@ func (r *reconciler) write(ctx context.Context, node *corev1.Node, o observation
 	switch a {
 	case removeTaint:
 		c.cfg.Metrics.removed.Inc()
-		if !o.condSince.IsZero() {
+		// Latency of the current taint only: a previous taint removed from a
+		// node ready for days (after a key change) would skew it.
+		if !o.condSince.IsZero() && slices.Contains(removed, taint) {
 			c.cfg.Metrics.untaintLatency.Observe(max(0, c.now().Sub(o.condSince)).Seconds())
 		}
 		what := strings.Join(removed, ", ")

@@ -37,7 +37,7 @@ func NewMetrics() *Metrics {
 		reconcileErrors: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_controller_reconcile_errors_total",
 			Help: "Failed reconciles of a node (retried with backoff)."}),
 		untaintLatency: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "inpod_controller_untaint_latency_seconds",
-			Help:    "From the condition's lastTransitionTime to True (one-second resolution) to the startup taint, or a previous one (--previous-taints), removed.",
+			Help:    "From the condition's lastTransitionTime to True (one-second resolution) to the startup taint removed (not observed for writes removing only a previous taint).",
 			Buckets: []float64{0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300}}),
 		leader: prometheus.NewGauge(prometheus.GaugeOpts{Name: "inpod_controller_leader",
 			Help: "1 while this replica holds the Lease."}),
