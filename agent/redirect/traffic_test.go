@@ -196,18 +196,10 @@ func lineDiff(before, after string) string {
 // goes to ztunnel's outbound listener with its original destination,
 // while the pod's own inbound traffic still goes to the inbound one.
 func TestVirtualInterfaceTrafficGoesOutbound(t *testing.T) {
-	const podOnVirt, guestIP = "192.0.2.1", "192.0.2.2"
 	for name, newBackend := range backends(t) {
 		t.Run(name, func(t *testing.T) {
 			tp := newTopology(t)
-			guest := netnstest.New(t)
-			tp.pod.Exec(t, "ip", "link", "add", "virt0", "type", "veth", "peer", "name", "eth0", "netns", guest.Name)
-			tp.pod.Exec(t, "ip", "addr", "add", podOnVirt+"/24", "dev", "virt0")
-			tp.pod.Exec(t, "ip", "link", "set", "virt0", "up")
-			tp.pod.Exec(t, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-			guest.Exec(t, "ip", "addr", "add", guestIP+"/24", "dev", "eth0")
-			guest.Exec(t, "ip", "link", "set", "eth0", "up")
-			guest.Exec(t, "ip", "route", "add", "default", "via", podOnVirt)
+			guest := addGuest(t, tp)
 			guestFile := guest.Open(t)
 
 			engine := redirect.NewEngine(newBackend())
@@ -260,19 +252,11 @@ func TestOptionsRefuseNamesThatAreNotInterfaces(t *testing.T) {
 // put in the conntrack zone of ztunnel's DNS relays, so the guest's query
 // must be tracked there too, or the answer is never un-NATed.
 func TestVirtualInterfaceGuestDNSThroughMasquerade(t *testing.T) {
-	const podOnVirt, guestIP = "192.0.2.1", "192.0.2.2"
 	for name, newBackend := range backends(t) {
 		t.Run(name, func(t *testing.T) {
 			tp := newTopology(t)
-			guest := netnstest.New(t)
-			tp.pod.Exec(t, "ip", "link", "add", "virt0", "type", "veth", "peer", "name", "eth0", "netns", guest.Name)
-			tp.pod.Exec(t, "ip", "addr", "add", podOnVirt+"/24", "dev", "virt0")
-			tp.pod.Exec(t, "ip", "link", "set", "virt0", "up")
-			tp.pod.Exec(t, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+			guest := addGuest(t, tp)
 			tp.pod.Exec(t, "nft", "add table ip guestnat; add chain ip guestnat post { type nat hook postrouting priority srcnat; }; add rule ip guestnat post oifname eth0 masquerade")
-			guest.Exec(t, "ip", "addr", "add", guestIP+"/24", "dev", "eth0")
-			guest.Exec(t, "ip", "link", "set", "eth0", "up")
-			guest.Exec(t, "ip", "route", "add", "default", "via", podOnVirt)
 			serveUDPEcho(t, tp.nodeFile, hostPort(outsideIP4, 53))
 
 			engine := redirect.NewEngine(newBackend())
@@ -337,4 +321,20 @@ func udpExchange(ns *os.File, addr string) error {
 		}
 		return nil
 	})
+}
+
+// addGuest puts a guest (a VM, here a netns) behind the pod's interface
+// virt0, routed through the pod, which forwards for it.
+func addGuest(t *testing.T, tp *topology) *netnstest.NetNS {
+	t.Helper()
+	const podOnVirt, guestIP = "192.0.2.1", "192.0.2.2"
+	guest := netnstest.New(t)
+	tp.pod.Exec(t, "ip", "link", "add", "virt0", "type", "veth", "peer", "name", "eth0", "netns", guest.Name)
+	tp.pod.Exec(t, "ip", "addr", "add", podOnVirt+"/24", "dev", "virt0")
+	tp.pod.Exec(t, "ip", "link", "set", "virt0", "up")
+	tp.pod.Exec(t, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+	guest.Exec(t, "ip", "addr", "add", guestIP+"/24", "dev", "eth0")
+	guest.Exec(t, "ip", "link", "set", "eth0", "up")
+	guest.Exec(t, "ip", "route", "add", "default", "via", podOnVirt)
+	return guest
 }
