@@ -165,6 +165,9 @@ type Agent struct {
 	// preStart is the device-plugin gate's container-start check; nil
 	// without that gate or the pod-resources API.
 	preStart *preStartCheck
+	// closer stops the scheduler before the device-plugin gate's devices
+	// turn Unhealthy; nil without that gate.
+	closer *schedulingCloser
 }
 
 // DefaultKubeAPIQPS and DefaultKubeAPIBurst are the agent's API rate
@@ -448,6 +451,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	if a.preStart != nil {
 		a.preStart.mayStart, a.preStart.requeue = p.pipeline.MayStart, p.queue.Add
 	}
+
 	// The pass list is refreshed right in the handlers, not through the
 	// queue: a pod that turns enrolled must leave it before its sandbox's
 	// ADD can read it.
@@ -548,11 +552,20 @@ func (a *Agent) start(parent context.Context, p *pieces) error {
 	stopped := make(chan struct{})
 	go func() { g.Wait(); close(stopped) }()
 	cause := context.Cause(ctx)
+	wait := stopTimeout
+	if a.closer != nil {
+		// The device-plugin gate closes before it stops serving.
+		closeTimeout := a.cfg.DevicePlugin.CloseTimeout
+		if closeTimeout == 0 {
+			closeTimeout = deviceplugin.DefaultCloseTimeout
+		}
+		wait += max(closeTimeout, 0)
+	}
 	select {
 	case <-stopped:
-	case <-time.After(stopTimeout):
+	case <-time.After(wait):
 		// Nothing is removed from the node: some piece may still act.
-		return fmt.Errorf("agent: not everything stopped within %s after: %w", stopTimeout, cause)
+		return fmt.Errorf("agent: not everything stopped within %s after: %w", wait, cause)
 	}
 	if parent.Err() != nil && cause == context.Cause(parent) {
 		return nil

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
@@ -83,6 +84,19 @@ func (a *Agent) newGates(names []string) ([]Gate, error) {
 			if a.preStart != nil {
 				cfg.PreStart = a.preStart.check
 			}
+			// The close reads and writes through a client of its own:
+			// its few requests a second while closing must not wait
+			// behind a burst of annotation patches, nor hold them back.
+			var own kubernetes.Interface
+			if own, err = kubernetes.NewForConfig(rest.CopyConfig(a.restCfg)); err != nil {
+				return nil, err
+			}
+			resource := cfg.ResourceName
+			if resource == "" {
+				resource = deviceplugin.DefaultResourceName
+			}
+			a.closer = newSchedulingCloser(own, a.cfg.NodeName, corev1.ResourceName(resource), a.log)
+			cfg.Closer = a.closer
 			g, err = deviceplugin.New(cfg)
 		case "dra":
 			// A client of its own (same limits, its own budget):

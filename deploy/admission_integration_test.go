@@ -205,6 +205,20 @@ func TestIntegrationNodeConfinementPolicy(t *testing.T) {
 			[]byte(`{"status":{"capacity":{"inpod.dev/redirection":"1000"},"allocatable":{"inpod.dev/redirection":"1000"}}}`), metav1.PatchOptions{}, "status")
 		return err
 	}
+	// The device-plugin gate's close: its resource's allocatable count set
+	// to 0, exactly as agent.schedulingCloser patches it.
+	allocatable := func(c kubernetes.Interface, node, resource, count string) error {
+		_, err := c.CoreV1().Nodes().PatchStatus(ctx, node, fmt.Appendf(nil, `{"status":{"allocatable":{%q:%q}}}`, resource, count))
+		return err
+	}
+	for _, n := range []string{"node-a", "node-b"} {
+		if err := allocatable(admin, n, "inpod.dev/redirection", "8"); err != nil {
+			t.Fatal(err)
+		}
+		if err := allocatable(admin, n, "cpu", "4"); err != nil {
+			t.Fatal(err)
+		}
+	}
 	otherCondition := func(c kubernetes.Interface, node string) error {
 		_, err := c.CoreV1().Nodes().Patch(ctx, node, types.StrategicMergePatchType,
 			[]byte(`{"status":{"conditions":[{"type":"Ready","status":"False","reason":"Forged"}]}}`), metav1.PatchOptions{}, "status")
@@ -307,6 +321,12 @@ func TestIntegrationNodeConfinementPolicy(t *testing.T) {
 		{"its Node's InPodRedirectionReady condition", condition(agentA, "node-a"), ""},
 		{"node B's condition", condition(agentA, "node-b"), "only its own Node"},
 		{"its Node's capacity", capacity(agentA, "node-a"), "only the InPodRedirectionReady condition"},
+		{"its Node's allocatable inpod.dev/redirection, raised", allocatable(agentA, "node-a", "inpod.dev/redirection", "9"), "only the InPodRedirectionReady condition"},
+		{"its Node's allocatable cpu, to 0", allocatable(agentA, "node-a", "cpu", "0"), "only the InPodRedirectionReady condition"},
+		{"its Node's allocatable of a resource it lacks, to 0", allocatable(agentA, "node-a", "example.com/other", "0"), "only the InPodRedirectionReady condition"},
+		{"its Node's allocatable inpod.dev/redirection, to 0", allocatable(agentA, "node-a", "inpod.dev/redirection", "0"), ""},
+		{"node B's allocatable inpod.dev/redirection, to 0", allocatable(agentA, "node-b", "inpod.dev/redirection", "0"), "only its own Node"},
+		{"unbound token: node A's allocatable inpod.dev/redirection, to 0", allocatable(unbound, "node-a", "inpod.dev/redirection", "0"), "names no node"},
 		{"another condition of its Node", otherCondition(agentA, "node-a"), "only the InPodRedirectionReady condition"},
 		{"update its node's ResourceSlice", sliceUpdate(agentA, "node-a"), ""},
 		{"create a ResourceSlice for its node", sliceCreate(agentA, "node-a"), ""},

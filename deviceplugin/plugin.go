@@ -5,6 +5,16 @@
 // request the resource, so the scheduler cannot place them on a node that
 // is not ready.
 //
+// A readiness dip closes the gate in two steps (see Closer): first the
+// scheduler is stopped, then the devices turn Unhealthy. The kubelet
+// refuses, for good, a pod it admits while no device is Healthy
+// (UnexpectedAdmissionError), and the scheduler learns of Unhealthy devices
+// only at the kubelet's next node-status sync (up to 10 s later): turning
+// them Unhealthy first would have the kubelet reject every pod the scheduler
+// binds in between. A pod admitted while the node is not ready is safe: its
+// sandbox waits at the CNI ADD, which fails closed, and its app at
+// PreStartContainer.
+//
 // It serves its socket before registering (the kubelet dials back at once),
 // never exits to signal "not ready" (an unregistered resource lingers for
 // minutes), and re-registers when the kubelet restarts (which deletes every
@@ -21,6 +31,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -41,6 +52,16 @@ const (
 	DefaultPluginDir    = "/var/lib/kubelet/device-plugins"
 	// DefaultDevices covers the kubelet's default maxPods.
 	DefaultDevices = 110
+	// DefaultCloseTimeout bounds how long devices stay Healthy, once the
+	// node is not ready, while the Closer stops the scheduler and the
+	// kubelet admits the pods already bound.
+	DefaultCloseTimeout = 5 * time.Second
+	// MaxCloseTimeout keeps a close well inside the agent's termination
+	// grace period, so a shutdown still flushes its writes.
+	MaxCloseTimeout = 30 * time.Second
+	// KeepClosedFor covers the kubelet's node-status period (10 s by
+	// default) once the devices are Unhealthy.
+	KeepClosedFor = 12 * time.Second
 	// GatedEnv and GatedAnnotation tell a container its start was gated.
 	GatedEnv        = "INPOD_REDIRECTION_GATED"
 	GatedAnnotation = "inpod.dev/redirection-gated"
@@ -50,7 +71,37 @@ const (
 type Observer interface {
 	Registered(reregistration bool)
 	HealthChanged(healthy bool)
+	// SchedulingClosed reports one close: how long devices stayed Healthy
+	// after the node stopped being ready, and how it ended (Closed,
+	// CloseIncomplete, CloseCalledOff).
+	SchedulingClosed(took time.Duration, result string)
 }
+
+// Closer stops the scheduler from placing more pods that request the
+// resource on this node, then returns once the pods it has already placed
+// are through the kubelet's admission, or ctx ends. The plugin keeps its
+// devices Healthy meanwhile and turns them Unhealthy after, whatever it
+// returns: the kubelet admits those pods, and the node not being ready
+// holds each one at its CNI ADD instead.
+type Closer interface {
+	CloseScheduling(ctx context.Context) error
+	// KeepClosed runs once the devices are Unhealthy, until ctx ends
+	// (after KeepClosedFor, or when the node is ready again): a kubelet
+	// status sync that computed its count before it saw them Unhealthy
+	// writes that count back once more. It also shrinks the window when the
+	// devices turned Unhealthy without a close.
+	KeepClosed(ctx context.Context)
+}
+
+// How a close ended, for Observer.SchedulingClosed.
+const (
+	Closed = "closed"
+	// CloseIncomplete: the timeout or an error ended it first; the kubelet
+	// may refuse a pod bound just before.
+	CloseIncomplete = "incomplete"
+	// CloseCalledOff: ready again (or stopping) before it ended.
+	CloseCalledOff = "called-off"
+)
 
 // Config configures the plugin.
 type Config struct {
@@ -74,8 +125,15 @@ type Config struct {
 	// conflist in between); this holds its app until the agent has
 	// redirected the sandbox it runs in.
 	PreStart func(ctx context.Context, deviceIDs []string) error
-	Observer Observer
-	Logger   *slog.Logger
+	// Closer, when set, runs before the devices turn Unhealthy, for at
+	// most CloseTimeout (0: DefaultCloseTimeout; negative: no close, the
+	// devices turn Unhealthy at once; at most MaxCloseTimeout). A node
+	// whose chain lost inpod-cni turns Unhealthy at once too: a pod
+	// admitted then would set its sandbox up without inpod.
+	Closer       Closer
+	CloseTimeout time.Duration
+	Observer     Observer
+	Logger       *slog.Logger
 }
 
 // Plugin is the device plugin.
@@ -86,6 +144,9 @@ type Plugin struct {
 
 	mu      sync.Mutex
 	healthy bool
+	// failing is what readiness said last time the devices turned
+	// Unhealthy (nil while Healthy).
+	failing []string
 	// devices is what every ListAndWatch stream sends: the latest list,
 	// never blocking the readiness follower on a slow kubelet.
 	devices *latest.Value[[]*pluginapi.Device]
@@ -104,6 +165,12 @@ func New(cfg Config) (*Plugin, error) {
 	}
 	if cfg.PluginDir == "" {
 		cfg.PluginDir = DefaultPluginDir
+	}
+	if cfg.CloseTimeout == 0 {
+		cfg.CloseTimeout = DefaultCloseTimeout
+	}
+	if cfg.CloseTimeout > MaxCloseTimeout {
+		return nil, fmt.Errorf("deviceplugin: close timeout %s is above %s: the agent's shutdown would not finish within its grace period", cfg.CloseTimeout, MaxCloseTimeout)
 	}
 	if cfg.SocketName == "" {
 		var b [4]byte
@@ -179,6 +246,11 @@ func (p *Plugin) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		// Serve until our socket goes or the kubelet comes back (a new
 		// kubelet.sock), then start over.
 		reason := p.waitForRestart(ctx, w, registered, inode(p.kubeletSocket()))
+		if ctx.Err() != nil && registered {
+			// The kubelet turns every device Unhealthy the moment the
+			// stream ends: close first, as for a readiness dip.
+			p.closeAtShutdown(ctx)
+		}
 		srv.Stop()
 		os.Remove(p.SocketPath())
 		if ctx.Err() != nil {
@@ -298,21 +370,148 @@ func (p *Plugin) options() *pluginapi.DevicePluginOptions {
 	return &pluginapi.DevicePluginOptions{PreStartRequired: p.cfg.PreStart != nil, GetPreferredAllocationAvailable: false}
 }
 
+// followReadiness turns readiness into device health: Healthy at once, and
+// Unhealthy once a close (closeFor) has stopped the scheduler. Readiness
+// back before the close ends cancels it, and the devices never leave
+// Healthy. Once Unhealthy, the Closer keeps the Node's count at 0 for
+// KeepClosedFor, or until ready again.
 func (p *Plugin) followReadiness(ctx context.Context, states <-chan readiness.State) {
+	var (
+		closing     context.CancelFunc
+		closed      <-chan struct{}
+		keeping     context.CancelFunc
+		lastFailing []string
+	)
+	stopClosing := func() {
+		if closing != nil {
+			closing()
+			<-closed
+			closing, closed = nil, nil
+		}
+	}
+	stopKeeping := func() {
+		if keeping != nil {
+			keeping()
+			keeping = nil
+		}
+	}
+	unhealthy := func(failing []string) {
+		p.setHealthy(false, failing)
+		if p.cfg.Closer == nil || keeping != nil {
+			return
+		}
+		kctx, cancel := context.WithTimeout(ctx, KeepClosedFor)
+		keeping = cancel
+		go p.cfg.Closer.KeepClosed(kctx)
+	}
+	defer stopClosing()
+	defer stopKeeping()
 	for {
 		select {
 		case <-ctx.Done():
 			return
+		case <-closed:
+			closing, closed = nil, nil
+			if ctx.Err() == nil {
+				unhealthy(lastFailing)
+			}
 		case st := <-states:
-			p.setHealthy(st.Ready, st.Failing)
+			lastFailing = st.Failing
+			switch {
+			case st.Ready:
+				stopClosing()
+				stopKeeping()
+				p.setHealthy(true, nil)
+			case closing != nil && !p.closeFor(st.Failing):
+				// The chain lost inpod-cni meanwhile: see closeFor.
+				stopClosing()
+				unhealthy(st.Failing)
+			case closing != nil:
+				// Still closing; the verdict is the last state's.
+			case p.isHealthy() && p.closeFor(st.Failing):
+				cctx, cancel := context.WithCancel(ctx)
+				done := make(chan struct{})
+				closing, closed = cancel, done
+				go func() {
+					defer close(done)
+					p.close(cctx, "not ready", st.Failing)
+				}()
+			default:
+				unhealthy(st.Failing)
+			}
 		}
 	}
+}
+
+// closeFor reports whether the devices stay Healthy through a close when
+// these readiness conditions fail.
+func (p *Plugin) closeFor(failing []string) bool {
+	if p.cfg.Closer == nil || p.cfg.CloseTimeout < 0 {
+		return false
+	}
+	// A pod admitted with the chain missing inpod-cni sets its sandbox up
+	// without inpod: PreStartContainer holds only the container that holds
+	// the device, not its init containers or the others. Refusing it is the
+	// lesser harm.
+	return !chainLost(failing)
+}
+
+func chainLost(failing []string) bool {
+	return slices.ContainsFunc(failing, func(f string) bool {
+		name, _, _ := strings.Cut(f, ":")
+		return name == readiness.CNIInstalled
+	})
+}
+
+// close runs the Closer for at most CloseTimeout; canceling ctx calls it
+// off.
+func (p *Plugin) close(ctx context.Context, why string, failing []string) {
+	start := time.Now()
+	p.log.Info("closing the gate: stopping the scheduler before the devices turn Unhealthy", "why", why, "failing", failing, "timeout", p.cfg.CloseTimeout)
+	cctx, cancel := context.WithTimeout(ctx, p.cfg.CloseTimeout)
+	defer cancel()
+	err := p.cfg.Closer.CloseScheduling(cctx)
+	took := time.Since(start)
+	result := Closed
+	switch {
+	case ctx.Err() != nil:
+		result = CloseCalledOff
+		p.log.Info("close called off (ready again, or stopping)", "after", took)
+	case err != nil:
+		result = CloseIncomplete
+		p.log.Warn("the gate closed without the scheduler stopped or every bound pod admitted; the kubelet may refuse a pod bound just before (UnexpectedAdmissionError)", "after", took, "err", err)
+	default:
+		p.log.Info("the gate closed: the scheduler stopped and the pods bound before are admitted", "after", took)
+	}
+	if p.cfg.Observer != nil {
+		p.cfg.Observer.SchedulingClosed(took, result)
+	}
+}
+
+// closeAtShutdown closes the gate of a Healthy plugin before it stops
+// serving. Nothing keeps the count at 0 after: the Closer's final write
+// leaves a window of milliseconds (a kubelet status sync computed before
+// its stream ended).
+func (p *Plugin) closeAtShutdown(ctx context.Context) {
+	p.mu.Lock()
+	healthy, failing := p.healthy, p.failing
+	p.mu.Unlock()
+	if !healthy || !p.closeFor(failing) {
+		return
+	}
+	p.close(context.WithoutCancel(ctx), "the agent is stopping", nil)
+}
+
+func (p *Plugin) isHealthy() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.healthy
 }
 
 func (p *Plugin) setHealthy(healthy bool, failing []string) {
 	p.mu.Lock()
 	changed := healthy != p.healthy
-	p.healthy = healthy
+	p.healthy, p.failing = healthy, failing
 	p.devices.Publish(p.devicesLocked())
 	p.mu.Unlock()
 	if changed {
@@ -360,14 +559,18 @@ func (p *Plugin) ListAndWatch(_ *pluginapi.Empty, stream grpc.ServerStreamingSer
 	}
 }
 
-// Allocate grants devices while the node is ready; the container learns its
-// start was gated.
+// Allocate grants devices; the container learns its start was gated. It
+// grants them while the node is not ready too: the kubelet asks only for
+// devices it last saw Healthy, a refusal fails the pod for good
+// (UnexpectedAdmissionError), and a pod admitted while the node is not
+// ready waits at its CNI ADD. Not so when the chain lost inpod-cni: that
+// pod's sandbox would be set up without inpod, so it is refused.
 func (p *Plugin) Allocate(_ context.Context, req *pluginapi.AllocateRequest) (*pluginapi.AllocateResponse, error) {
 	p.mu.Lock()
-	healthy := p.healthy
+	refuse := !p.healthy && chainLost(p.failing)
 	p.mu.Unlock()
-	if !healthy {
-		return nil, errors.New("the node is not ready for redirection; refusing to allocate " + p.cfg.ResourceName)
+	if refuse {
+		return nil, errors.New("inpod-cni is not in the node's CNI chain; refusing to allocate " + p.cfg.ResourceName)
 	}
 	resp := &pluginapi.AllocateResponse{}
 	for range req.ContainerRequests {

@@ -130,25 +130,28 @@ func TestTwoInstancesUseTheirOwnSockets(t *testing.T) {
 	}
 }
 
-func TestAllocateOnlyWhileReady(t *testing.T) {
+// Allocate grants while the node is not ready too: the kubelet asks only
+// for devices it saw Healthy, and a refusal would fail the pod for good
+// where its CNI ADD holds it instead.
+func TestAllocateMarksTheContainerGated(t *testing.T) {
 	dir := t.TempDir()
 	k := startKubelet(t, dir)
 	ready := newReady()
 	startPlugin(t, dir, ready, nil)
 	eventually(t, "registration", func() bool { return k.Capacity(res) == 8 })
-	ctx := context.Background()
-	if _, err := k.Allocate(ctx, res, 1); err == nil || !strings.Contains(err.Error(), "not ready") {
-		t.Fatalf("Allocate while not ready = %v", err)
-	}
-	ready.Set("test", true, "")
-	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
-	resp, err := k.Allocate(ctx, res, 1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := resp.ContainerResponses[0]
-	if c.Envs[deviceplugin.GatedEnv] != "true" || c.Annotations[deviceplugin.GatedAnnotation] != "true" {
-		t.Fatalf("allocation %+v lacks the gated marker", c)
+	for _, when := range []string{"not ready", "ready"} {
+		if when == "ready" {
+			ready.Set("test", true, "")
+			eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
+		}
+		resp, err := k.Allocate(context.Background(), res, 1)
+		if err != nil {
+			t.Fatalf("Allocate while %s = %v", when, err)
+		}
+		c := resp.ContainerResponses[0]
+		if c.Envs[deviceplugin.GatedEnv] != "true" || c.Annotations[deviceplugin.GatedAnnotation] != "true" {
+			t.Fatalf("allocation while %s %+v lacks the gated marker", when, c)
+		}
 	}
 }
 
@@ -248,5 +251,224 @@ func TestRunFailsWhenItsDirectoryGoesBeforeRegistration(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("Run still waits for a kubelet 10 s after its own socket and directory went away")
+	}
+}
+
+// closer is a Closer the test releases; it records what the kubelet
+// stand-in saw when the close began.
+type closer struct {
+	k        *kubelettest.Kubelet
+	calls    chan int // allocatable at each call
+	release  chan struct{}
+	canceled chan struct{}
+	// keeps and kept get a value as each KeepClosed begins and ends.
+	keeps chan int
+	kept  chan struct{}
+}
+
+func newCloser(k *kubelettest.Kubelet) *closer {
+	return &closer{k: k, calls: make(chan int, 8), release: make(chan struct{}), canceled: make(chan struct{}, 8),
+		keeps: make(chan int, 8), kept: make(chan struct{}, 8)}
+}
+
+func (c *closer) KeepClosed(ctx context.Context) {
+	c.keeps <- c.k.Allocatable(res)
+	<-ctx.Done()
+	c.kept <- struct{}{}
+}
+
+func (c *closer) keepsClosed(t *testing.T) {
+	t.Helper()
+	select {
+	case <-c.keeps:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the plugin never asked its Closer to keep the Node closed")
+	}
+}
+
+func (c *closer) CloseScheduling(ctx context.Context) error {
+	c.calls <- c.k.Allocatable(res)
+	select {
+	case <-c.release:
+		return nil
+	case <-ctx.Done():
+		c.canceled <- struct{}{}
+		return ctx.Err()
+	}
+}
+
+func (c *closer) called(t *testing.T) int {
+	t.Helper()
+	select {
+	case n := <-c.calls:
+		return n
+	case <-time.After(10 * time.Second):
+		t.Fatal("the plugin never asked its Closer to close")
+		return 0
+	}
+}
+
+// A readiness dip keeps the devices Healthy until the Closer has stopped
+// the scheduler (the kubelet would refuse, for good, a pod it admits with
+// no device Healthy), and only then turns them Unhealthy; the kubelet's
+// Allocate is granted meanwhile.
+func TestDevicesTurnUnhealthyOnlyOnceClosed(t *testing.T) {
+	dir := t.TempDir()
+	k := startKubelet(t, dir)
+	ready := newReady()
+	c := newCloser(k)
+	startPlugin(t, dir, ready, func(cfg *deviceplugin.Config) { cfg.Closer, cfg.CloseTimeout = c, deviceplugin.MaxCloseTimeout })
+	ready.Set("test", true, "")
+	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
+
+	dip := time.Now()
+	ready.Set("test", false, "ztunnel went away")
+	if n := c.called(t); n != 8 {
+		t.Fatalf("the close began with %d devices Healthy, want 8", n)
+	}
+	if _, err := k.Allocate(context.Background(), res, 1); err != nil {
+		t.Fatalf("Allocate while closing = %v; the kubelet would fail the pod", err)
+	}
+	if u, ok := k.FirstSince(res, dip, 0); ok {
+		t.Fatalf("devices turned Unhealthy at %s, before the close ended", u.At)
+	}
+	close(c.release)
+	eventually(t, "Unhealthy once closed", func() bool { return k.Allocatable(res) == 0 })
+	c.keepsClosed(t)
+	if _, err := k.Allocate(context.Background(), res, 1); err != nil {
+		t.Fatalf("Allocate while not ready = %v; a pod the kubelet admits waits at its CNI ADD instead", err)
+	}
+	// Ready again: the Node is no longer kept closed.
+	ready.Set("test", true, "")
+	select {
+	case <-c.kept:
+	case <-time.After(10 * time.Second):
+		t.Fatal("KeepClosed still runs after the node is ready again")
+	}
+}
+
+// Ready again before the close ends: the close is called off and the
+// devices never leave Healthy.
+func TestReadyAgainCancelsTheClose(t *testing.T) {
+	dir := t.TempDir()
+	k := startKubelet(t, dir)
+	ready := newReady()
+	c := newCloser(k)
+	startPlugin(t, dir, ready, func(cfg *deviceplugin.Config) { cfg.Closer, cfg.CloseTimeout = c, deviceplugin.MaxCloseTimeout })
+	ready.Set("test", true, "")
+	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
+	dip := time.Now()
+	ready.Set("test", false, "ztunnel went away")
+	c.called(t)
+	ready.Set("test", true, "")
+	select {
+	case <-c.canceled:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the close was not called off when the node was ready again")
+	}
+	// A second dip closes again, from the start.
+	ready.Set("test", false, "ztunnel went away again")
+	c.called(t)
+	if u, ok := k.FirstSince(res, dip, 0); ok {
+		t.Fatalf("devices turned Unhealthy at %s although the node was ready again before the close ended", u.At)
+	}
+	close(c.release)
+}
+
+// The close is bounded: a Closer that never returns leaves the devices
+// Healthy for CloseTimeout, no longer.
+func TestCloseTimeoutBoundsTheClose(t *testing.T) {
+	dir := t.TempDir()
+	k := startKubelet(t, dir)
+	ready := newReady()
+	c := newCloser(k)
+	startPlugin(t, dir, ready, func(cfg *deviceplugin.Config) { cfg.Closer, cfg.CloseTimeout = c, 200*time.Millisecond })
+	ready.Set("test", true, "")
+	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
+	ready.Set("test", false, "ztunnel went away")
+	c.called(t)
+	eventually(t, "Unhealthy once the close timed out", func() bool { return k.Allocatable(res) == 0 })
+}
+
+// With the chain missing inpod-cni, a pod admitted now would set its
+// sandbox up without inpod (PreStartContainer holds only the container
+// holding the device): the devices turn Unhealthy at once, the Node is
+// kept closed, Allocate refuses, and a close under way is called off when
+// the chain goes.
+func TestChainLostClosesAtOnce(t *testing.T) {
+	for _, preStart := range []bool{false, true} {
+		dir := t.TempDir()
+		k := startKubelet(t, dir)
+		ready := readiness.New(nil, readiness.CNIInstalled, "test")
+		c := newCloser(k)
+		startPlugin(t, dir, ready, func(cfg *deviceplugin.Config) {
+			cfg.Closer, cfg.CloseTimeout = c, deviceplugin.MaxCloseTimeout
+			if preStart {
+				cfg.PreStart = func(context.Context, []string) error { return nil }
+			}
+		})
+		ready.Set(readiness.CNIInstalled, true, "")
+		ready.Set("test", true, "")
+		eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
+
+		ready.Set(readiness.CNIInstalled, false, "inpod-cni is not in the chain")
+		eventually(t, "Unhealthy at once", func() bool { return k.Allocatable(res) == 0 })
+		c.keepsClosed(t)
+		select {
+		case <-c.calls:
+			t.Fatalf("preStart %v: the plugin closed through its Closer with the chain missing inpod-cni", preStart)
+		default:
+		}
+		if _, err := k.Allocate(context.Background(), res, 1); err == nil || !strings.Contains(err.Error(), "not in the node's CNI chain") {
+			t.Fatalf("preStart %v: Allocate with the chain missing inpod-cni = %v, want refused", preStart, err)
+		}
+
+		ready.Set(readiness.CNIInstalled, true, "")
+		eventually(t, "healthy again", func() bool { return k.Allocatable(res) == 8 })
+		ready.Set("test", false, "ztunnel went away")
+		c.called(t)
+		ready.Set(readiness.CNIInstalled, false, "inpod-cni is not in the chain")
+		eventually(t, "Unhealthy once the chain went mid-close", func() bool { return k.Allocatable(res) == 0 })
+	}
+}
+
+func TestCloseTimeoutIsBounded(t *testing.T) {
+	if _, err := deviceplugin.New(deviceplugin.Config{CloseTimeout: deviceplugin.MaxCloseTimeout + time.Second}); err == nil {
+		t.Fatal("a close timeout above MaxCloseTimeout was accepted")
+	}
+}
+
+// The agent stopping closes too, before the plugin's stream ends (the
+// kubelet turns every device Unhealthy then).
+func TestStoppingClosesBeforeTheStreamEnds(t *testing.T) {
+	dir := t.TempDir()
+	k := startKubelet(t, dir)
+	ready := newReady()
+	c := newCloser(k)
+	p, err := deviceplugin.New(deviceplugin.Config{PluginDir: dir, Devices: 8, Closer: c, CloseTimeout: deviceplugin.MaxCloseTimeout})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx, ready) }()
+	ready.Set("test", true, "")
+	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
+	cancel()
+	if n := c.called(t); n != 8 {
+		t.Fatalf("the close began with %d devices Healthy, want 8", n)
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("Run returned (%v) before the close ended", err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(c.release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(p.SocketPath()); err == nil {
+		t.Fatal("the plugin's socket is still there after Run returned")
 	}
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/cluster/clustertest"
 	"github.com/inpod-dev/inpod/e2e/images"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
@@ -105,25 +106,73 @@ func TestE2EDevicePluginGatesScheduling(t *testing.T) {
 		return err == nil && p.Status.Phase == corev1.PodRunning
 	})
 
-	// The window the other way: ztunnel goes, devices turn Unhealthy at
-	// once, but the Node still shows them allocatable until the next
-	// status sync. A pod the scheduler binds in that window is refused by
-	// the kubelet's own admission (the device manager sees no healthy
-	// device) and never starts.
+	// The gate the other way. ztunnel goes: the agent sets the Node's
+	// allocatable to 0 at once (the scheduler binds nothing more here) and
+	// keeps its devices Healthy until the pods already bound have been
+	// through the kubelet's admission; only then Unhealthy. Before, the
+	// devices turned Unhealthy at once while the Node showed them
+	// allocatable until the kubelet's next status sync, and the kubelet
+	// refused every pod bound in between for good (UnexpectedAdmissionError).
+	// Both pods here are enrolled: they run redirected once ztunnel is back.
+	enrolled := func(p *corev1.Pod) *corev1.Pod {
+		p.Labels = map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}
+		return p
+	}
 	stopZ()
 	testkit.Eventually(t, 10*time.Second, "the agent not ready", func() bool { return !a.Ready.State().Ready })
-	if got := allocatable(); got == 0 {
-		t.Skip("the node status sync already ran; the window this case needs has closed")
-	}
-	if _, err := pods.Create(ctx, gated("in-window"), metav1.CreateOptions{}); err != nil {
+	// Bound by the scheduler just before it saw the Node's allocatable drop.
+	justBound := enrolled(gated("just-bound"))
+	justBound.Spec.NodeName = node.Name
+	if _, err := pods.Create(ctx, justBound, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	testkit.Eventually(t, 60*time.Second, "the kubelet to refuse the pod bound in the window", func() bool {
-		p, err := pods.Get(ctx, "in-window", metav1.GetOptions{})
-		if err != nil || p.Spec.NodeName == "" {
+	closed := testkit.Eventually(t, 5*time.Second, "allocatable 0 on the Node well before the kubelet's next status sync", func() bool { return allocatable() == 0 })
+	t.Logf("from the agent not ready to the Node's allocatable 0: %s", closed.Round(10*time.Millisecond))
+	if _, err := pods.Create(ctx, enrolled(gated("after-dip")), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testkit.Eventually(t, 60*time.Second, "the scheduler to hold the pod created after the dip", func() bool {
+		p, err := pods.Get(ctx, "after-dip", metav1.GetOptions{})
+		if err != nil {
 			return false
 		}
-		return p.Status.Phase == corev1.PodFailed && p.Status.Reason == "UnexpectedAdmissionError"
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && strings.Contains(c.Message, string(gateResource)) {
+				return p.Spec.NodeName == ""
+			}
+		}
+		return false
 	})
-	testkit.Eventually(t, 60*time.Second, "allocatable back to 0 on the Node", func() bool { return allocatable() == 0 })
+	testkit.Eventually(t, 30*time.Second, "the kubelet to admit the pod bound just before the dip", func() bool {
+		p, err := pods.Get(ctx, "just-bound", metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		if p.Status.Phase == corev1.PodFailed {
+			t.Fatalf("the pod bound just before the dip failed: %s: %s", p.Status.Reason, p.Status.Message)
+		}
+		return p.Status.StartTime != nil
+	})
+	testkit.Eventually(t, 30*time.Second, "devices Unhealthy, the Node's allocatable 0 after the kubelet's status sync", func() bool {
+		return !a.Ready.State().Ready && allocatable() == 0
+	})
+
+	z2 := ztunnel.New(ztunnel.Config{SocketPath: zdsSocket, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	z2ctx, z2cancel := context.WithCancel(ctx)
+	z2done := make(chan struct{})
+	go func() { z2.Run(z2ctx); close(z2done) }()
+	t.Cleanup(func() { z2cancel(); <-z2done })
+	testkit.Eventually(t, 30*time.Second, "the agent ready again", func() bool { return a.Ready.State().Ready })
+	for _, name := range []string{"just-bound", "after-dip"} {
+		testkit.Eventually(t, 120*time.Second, name+" Running and redirected once the node is ready again", func() bool {
+			p, err := pods.Get(ctx, name, metav1.GetOptions{})
+			if err != nil {
+				return false
+			}
+			if p.Status.Phase == corev1.PodFailed {
+				t.Fatalf("%s failed: %s: %s", name, p.Status.Reason, p.Status.Message)
+			}
+			return p.Status.Phase == corev1.PodRunning && p.Annotations[enrollment.RedirectionAnnotation] == enrollment.AnnotationEnabled
+		})
+	}
 }

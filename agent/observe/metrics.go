@@ -35,6 +35,7 @@ type Metrics struct {
 	cniRepairs        prometheus.Counter
 	gateRegistrations *prometheus.CounterVec
 	gateHealthFlips   *prometheus.CounterVec
+	gateCloses        *prometheus.HistogramVec
 	conditionWrites   *prometheus.CounterVec
 	conditionFailures prometheus.Counter
 	slicePublishes    prometheus.Counter
@@ -87,6 +88,9 @@ func NewMetrics() *Metrics {
 			Help: "Registrations with the kubelet (kind: first, again)."}, []string{"kind"}),
 		gateHealthFlips: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_deviceplugin_health_changes_total",
 			Help: "Changes of the advertised devices' health."}, []string{"to"}),
+		gateCloses: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "inpod_deviceplugin_close_seconds",
+			Help:    "How long the devices stayed Healthy after the node stopped being ready (or the agent began stopping) while the scheduler was stopped and the pods already bound were admitted, by result (closed; incomplete: the timeout or an API error ended it first, and the kubelet may refuse a pod bound just before; called-off: ready again, or the agent stopping, first).",
+			Buckets: []float64{.25, .5, 1, 1.5, 2, 3, 5, 10}}, []string{"result"}),
 		conditionWrites: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_node_condition_writes_total",
 			Help: "Writes of the Node condition InPodRedirectionReady by the node-condition gate, by status (True, False)."}, []string{"status"}),
 		conditionFailures: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_node_condition_write_failures_total",
@@ -117,7 +121,7 @@ func NewMetrics() *Metrics {
 	r.MustRegister(m.verifications, m.verifyLatency, m.repairs, m.unproven, m.podConditions)
 	r.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "inpod_enrolled_pods",
 		Help: "Pods the agent holds as enrolled (or held for a restore) now; a soak compares it with the pods that exist."}, m.trackedPods))
-	r.MustRegister(m.startupReleased, m.slicePublishes, m.sliceTaintChanges, m.sliceLatency, m.prepareRefusals, m.gateRegistrations, m.gateHealthFlips, m.conditionWrites, m.conditionFailures, m.enrollments, m.failures, m.removals, m.ranUnredirected, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
+	r.MustRegister(m.startupReleased, m.slicePublishes, m.sliceTaintChanges, m.sliceLatency, m.prepareRefusals, m.gateRegistrations, m.gateHealthFlips, m.gateCloses, m.conditionWrites, m.conditionFailures, m.enrollments, m.failures, m.removals, m.ranUnredirected, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -195,6 +199,11 @@ func (m *Metrics) HealthChanged(healthy bool) {
 		to = "Healthy"
 	}
 	m.gateHealthFlips.WithLabelValues(to).Inc()
+}
+
+// SchedulingClosed implements deviceplugin.Observer.
+func (m *Metrics) SchedulingClosed(took time.Duration, result string) {
+	m.gateCloses.WithLabelValues(result).Observe(took.Seconds())
 }
 
 // ConditionWritten implements nodecondition.Observer.
