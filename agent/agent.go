@@ -555,11 +555,7 @@ func (a *Agent) start(parent context.Context, p *pieces) error {
 	wait := stopTimeout
 	if a.closer != nil {
 		// The device-plugin gate closes before it stops serving.
-		closeTimeout := a.cfg.DevicePlugin.CloseTimeout
-		if closeTimeout == 0 {
-			closeTimeout = deviceplugin.DefaultCloseTimeout
-		}
-		wait += max(closeTimeout, 0)
+		wait += deviceplugin.MaxShutdownDelay
 	}
 	select {
 	case <-stopped:

@@ -156,7 +156,10 @@ func (c *schedulingCloser) zeroAllocatable(ctx context.Context) (wrote bool, err
 	if q, ok := node.Status.Allocatable[c.resource]; !ok || q.IsZero() {
 		return false, nil
 	}
-	patch := fmt.Appendf(nil, `{"status":{"allocatable":{%q:"0"}}}`, c.resource)
+	// The resourceVersion read makes the write conditional: a count the
+	// kubelet wrote since, as the node turned ready again, is not
+	// overwritten.
+	patch := fmt.Appendf(nil, `{"metadata":{"resourceVersion":%q},"status":{"allocatable":{%q:"0"}}}`, node.ResourceVersion, c.resource)
 	if _, err := c.client.CoreV1().Nodes().PatchStatus(ctx, c.node, patch); err != nil {
 		return false, err
 	}

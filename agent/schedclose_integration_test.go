@@ -80,15 +80,15 @@ func TestIntegrationDevicePluginGateClosesSchedulingFirst(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	// holds polls, for a while past the close's settle time, that the
+	// holds polls, for d after since, that the
 	// devices stay Healthy.
-	holds := func(since time.Time, what string) {
+	holds := func(since time.Time, d time.Duration, what string) {
 		t.Helper()
 		w.eventually(what, func() bool {
 			if u, ok := w.kubelet.FirstSince(string(res), since, 0); ok {
 				t.Fatalf("devices turned Unhealthy at %s (%s after the dip) with a bound pod not yet admitted", u.At, u.At.Sub(since))
 			}
-			return time.Since(since) > 2*time.Second
+			return time.Since(since) > d
 		})
 	}
 
@@ -99,7 +99,7 @@ func TestIntegrationDevicePluginGateClosesSchedulingFirst(t *testing.T) {
 	w.eventually("the Node's allocatable 0", func() bool { return allocatable() == 0 })
 	kubeletSync()
 	w.eventually("the Node's allocatable 0 again after the kubelet's status sync", func() bool { return allocatable() == 0 })
-	holds(dip, "devices Healthy while the bound pod waits for admission")
+	holds(dip, 2*time.Second, "devices Healthy while the bound pod waits for admission")
 	admit(pending)
 	w.eventually("devices Unhealthy once the bound pod is admitted", func() bool { return w.kubelet.Allocatable(string(res)) == 0 })
 	// A kubelet status sync that computed its count before it saw the
@@ -107,10 +107,18 @@ func TestIntegrationDevicePluginGateClosesSchedulingFirst(t *testing.T) {
 	kubeletSync()
 	w.eventually("the Node's allocatable kept at 0 after the devices turned Unhealthy", func() bool { return allocatable() == 0 })
 
-	// Ready again: Healthy at once (the kubelet writes the count back).
+	// Ready again: Healthy at once; the kubelet writes the count back,
+	// and nothing of the agent's closes it again.
 	w.stopStandin = w.startStandin()
 	w.eventually("devices Healthy again", func() bool { return w.kubelet.Allocatable(string(res)) == 4 })
 	kubeletSync()
+	reopened := time.Now()
+	w.eventually("the Node's count left open once ready again", func() bool {
+		if n := allocatable(); n != 4 {
+			t.Fatalf("the Node's allocatable %d after the node was ready again and the kubelet wrote 4", n)
+		}
+		return time.Since(reopened) > 1500*time.Millisecond
+	})
 
 	// The agent stops (a restart, an upgrade): the same close before the
 	// plugin's stream ends.
@@ -119,7 +127,9 @@ func TestIntegrationDevicePluginGateClosesSchedulingFirst(t *testing.T) {
 	stopped := make(chan error, 1)
 	go func() { stopped <- stopAgent() }()
 	w.eventually("the Node's allocatable 0 as the agent stops", func() bool { return allocatable() == 0 })
-	holds(stopping, "devices Healthy while the stopping agent waits for the bound pod's admission")
+	// A shutdown's close is bounded at 2 s (the agent's termination
+	// grace period holds it): admitted within it.
+	holds(stopping, 900*time.Millisecond, "devices Healthy while the stopping agent waits for the bound pod's admission")
 	select {
 	case err := <-stopped:
 		t.Fatalf("the agent stopped (%v) before the bound pod was admitted", err)

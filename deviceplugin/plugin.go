@@ -56,12 +56,26 @@ const (
 	// node is not ready, while the Closer stops the scheduler and the
 	// kubelet admits the pods already bound.
 	DefaultCloseTimeout = 5 * time.Second
-	// MaxCloseTimeout keeps a close well inside the agent's termination
-	// grace period, so a shutdown still flushes its writes.
-	MaxCloseTimeout = 30 * time.Second
+	// MaxCloseTimeout bounds a dip's close.
+	MaxCloseTimeout = 10 * time.Second
 	// KeepClosedFor covers the kubelet's node-status period (10 s by
 	// default) once the devices are Unhealthy.
 	KeepClosedFor = 12 * time.Second
+	// keepClosedDelay: turned Unhealthy without a close (the chain lost
+	// inpod-cni), the Node's count is written 0 only if that lasts: the
+	// installer puts the chain back within tens of ms, and the write
+	// would keep the node unschedulable until the kubelet's next sync.
+	keepClosedDelay = 250 * time.Millisecond
+	// shutdownCloseTimeout bounds the close at shutdown, which the
+	// agent's termination grace period must hold with the rest: the
+	// settle time and the admission of pods already bound take about
+	// 1 s.
+	shutdownCloseTimeout = 2 * time.Second
+	// shutdownKeepClosed: after the stream ends at shutdown.
+	shutdownKeepClosed = time.Second
+	// MaxShutdownDelay is how much longer Run takes to return at
+	// shutdown for closing the gate.
+	MaxShutdownDelay = shutdownCloseTimeout + shutdownKeepClosed
 	// GatedEnv and GatedAnnotation tell a container its start was gated.
 	GatedEnv        = "INPOD_REDIRECTION_GATED"
 	GatedAnnotation = "inpod.dev/redirection-gated"
@@ -170,7 +184,7 @@ func New(cfg Config) (*Plugin, error) {
 		cfg.CloseTimeout = DefaultCloseTimeout
 	}
 	if cfg.CloseTimeout > MaxCloseTimeout {
-		return nil, fmt.Errorf("deviceplugin: close timeout %s is above %s: the agent's shutdown would not finish within its grace period", cfg.CloseTimeout, MaxCloseTimeout)
+		return nil, fmt.Errorf("deviceplugin: close timeout %s is above %s: the devices would stay Healthy that long on a node that is not ready", cfg.CloseTimeout, MaxCloseTimeout)
 	}
 	if cfg.SocketName == "" {
 		var b [4]byte
@@ -219,7 +233,14 @@ func (p *Plugin) Run(ctx context.Context, ready *readiness.Aggregate) error {
 	p.devices = latest.New(p.devicesLocked())
 	states, cancel := ready.Subscribe()
 	defer cancel()
-	go p.followReadiness(ctx, states)
+	// Nothing the follower started (a close, KeepClosed) outlives Run.
+	followCtx, stopFollowing := context.WithCancel(ctx)
+	followed := make(chan struct{})
+	go func() {
+		defer close(followed)
+		p.followReadiness(followCtx, states)
+	}()
+	defer func() { stopFollowing(); <-followed }()
 
 	if err := os.MkdirAll(p.cfg.PluginDir, 0o755); err != nil {
 		return fmt.Errorf("deviceplugin: %w", err)
@@ -246,14 +267,25 @@ func (p *Plugin) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		// Serve until our socket goes or the kubelet comes back (a new
 		// kubelet.sock), then start over.
 		reason := p.waitForRestart(ctx, w, registered, inode(p.kubeletSocket()))
+		closed := false
 		if ctx.Err() != nil && registered {
 			// The kubelet turns every device Unhealthy the moment the
-			// stream ends: close first, as for a readiness dip.
-			p.closeAtShutdown(ctx)
+			// stream ends: close first, as for a readiness dip, once
+			// the follower (and a dip's close) has stopped.
+			stopFollowing()
+			<-followed
+			closed = p.closeAtShutdown(ctx)
 		}
 		srv.Stop()
 		os.Remove(p.SocketPath())
 		if ctx.Err() != nil {
+			if closed {
+				// A kubelet status sync computed just before the
+				// stream ended lands within moments.
+				kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), shutdownKeepClosed)
+				p.cfg.Closer.KeepClosed(kctx)
+				cancel()
+			}
 			return nil
 		}
 		p.log.Info("re-registering with the kubelet", "because", reason)
@@ -377,34 +409,48 @@ func (p *Plugin) options() *pluginapi.DevicePluginOptions {
 // KeepClosedFor, or until ready again.
 func (p *Plugin) followReadiness(ctx context.Context, states <-chan readiness.State) {
 	var (
-		closing     context.CancelFunc
+		closing     context.CancelCauseFunc
 		closed      <-chan struct{}
 		keeping     context.CancelFunc
+		kept        <-chan struct{}
 		lastFailing []string
 	)
-	stopClosing := func() {
+	stopClosing := func(why error) {
 		if closing != nil {
-			closing()
+			closing(why)
 			<-closed
 			closing, closed = nil, nil
 		}
 	}
+	// stopKeeping waits for KeepClosed to end: a zero write landing after
+	// the node is ready again would keep it unschedulable for one more
+	// kubelet sync.
 	stopKeeping := func() {
 		if keeping != nil {
 			keeping()
-			keeping = nil
+			<-kept
+			keeping, kept = nil, nil
 		}
 	}
-	unhealthy := func(failing []string) {
+	unhealthy := func(failing []string, delay time.Duration) {
 		p.setHealthy(false, failing)
 		if p.cfg.Closer == nil || keeping != nil {
 			return
 		}
 		kctx, cancel := context.WithTimeout(ctx, KeepClosedFor)
-		keeping = cancel
-		go p.cfg.Closer.KeepClosed(kctx)
+		done := make(chan struct{})
+		keeping, kept = cancel, done
+		go func() {
+			defer close(done)
+			select {
+			case <-kctx.Done():
+				return
+			case <-time.After(delay):
+			}
+			p.cfg.Closer.KeepClosed(kctx)
+		}()
 	}
-	defer stopClosing()
+	defer stopClosing(errStopping)
 	defer stopKeeping()
 	for {
 		select {
@@ -413,35 +459,42 @@ func (p *Plugin) followReadiness(ctx context.Context, states <-chan readiness.St
 		case <-closed:
 			closing, closed = nil, nil
 			if ctx.Err() == nil {
-				unhealthy(lastFailing)
+				unhealthy(lastFailing, 0)
 			}
 		case st := <-states:
 			lastFailing = st.Failing
 			switch {
 			case st.Ready:
-				stopClosing()
+				stopClosing(errReadyAgain)
 				stopKeeping()
 				p.setHealthy(true, nil)
 			case closing != nil && !p.closeFor(st.Failing):
 				// The chain lost inpod-cni meanwhile: see closeFor.
-				stopClosing()
-				unhealthy(st.Failing)
+				stopClosing(errChainLost)
+				unhealthy(st.Failing, 0)
 			case closing != nil:
 				// Still closing; the verdict is the last state's.
 			case p.isHealthy() && p.closeFor(st.Failing):
-				cctx, cancel := context.WithCancel(ctx)
+				cctx, cancel := context.WithCancelCause(ctx)
 				done := make(chan struct{})
 				closing, closed = cancel, done
 				go func() {
 					defer close(done)
-					p.close(cctx, "not ready", st.Failing)
+					p.close(cctx, p.cfg.CloseTimeout, "not ready", st.Failing)
 				}()
 			default:
-				unhealthy(st.Failing)
+				unhealthy(st.Failing, keepClosedDelay)
 			}
 		}
 	}
 }
+
+// Why a close ended early.
+var (
+	errReadyAgain = errors.New("ready again")
+	errStopping   = errors.New("the plugin is stopping")
+	errChainLost  = errors.New("the chain lost inpod-cni")
+)
 
 // closeFor reports whether the devices stay Healthy through a close when
 // these readiness conditions fail.
@@ -463,20 +516,23 @@ func chainLost(failing []string) bool {
 	})
 }
 
-// close runs the Closer for at most CloseTimeout; canceling ctx calls it
-// off.
-func (p *Plugin) close(ctx context.Context, why string, failing []string) {
+// close runs the Closer for at most timeout; canceling ctx (with a cause)
+// ends it early.
+func (p *Plugin) close(ctx context.Context, timeout time.Duration, why string, failing []string) {
 	start := time.Now()
-	p.log.Info("closing the gate: stopping the scheduler before the devices turn Unhealthy", "why", why, "failing", failing, "timeout", p.cfg.CloseTimeout)
-	cctx, cancel := context.WithTimeout(ctx, p.cfg.CloseTimeout)
+	p.log.Info("closing the gate: stopping the scheduler before the devices turn Unhealthy", "why", why, "failing", failing, "timeout", timeout)
+	cctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	err := p.cfg.Closer.CloseScheduling(cctx)
 	took := time.Since(start)
 	result := Closed
-	switch {
-	case ctx.Err() != nil:
+	switch cause := context.Cause(ctx); {
+	case errors.Is(cause, errChainLost):
+		result = CloseIncomplete
+		p.log.Warn("close cut short: the chain lost inpod-cni, so the devices turn Unhealthy at once; the kubelet may refuse a pod bound just before (UnexpectedAdmissionError)", "after", took)
+	case cause != nil:
 		result = CloseCalledOff
-		p.log.Info("close called off (ready again, or stopping)", "after", took)
+		p.log.Info("close called off", "because", cause, "after", took)
 	case err != nil:
 		result = CloseIncomplete
 		p.log.Warn("the gate closed without the scheduler stopped or every bound pod admitted; the kubelet may refuse a pod bound just before (UnexpectedAdmissionError)", "after", took, "err", err)
@@ -489,17 +545,18 @@ func (p *Plugin) close(ctx context.Context, why string, failing []string) {
 }
 
 // closeAtShutdown closes the gate of a Healthy plugin before it stops
-// serving. Nothing keeps the count at 0 after: the Closer's final write
-// leaves a window of milliseconds (a kubelet status sync computed before
-// its stream ended).
-func (p *Plugin) closeAtShutdown(ctx context.Context) {
+// serving, for at most shutdownCloseTimeout: readiness is no longer
+// followed meanwhile, so a chain rewritten now would go unseen as long as
+// the devices stay Healthy. It reports whether it closed.
+func (p *Plugin) closeAtShutdown(ctx context.Context) bool {
 	p.mu.Lock()
 	healthy, failing := p.healthy, p.failing
 	p.mu.Unlock()
 	if !healthy || !p.closeFor(failing) {
-		return
+		return false
 	}
-	p.close(context.WithoutCancel(ctx), "the agent is stopping", nil)
+	p.close(context.WithoutCancel(ctx), min(p.cfg.CloseTimeout, shutdownCloseTimeout), "the agent is stopping", nil)
+	return true
 }
 
 func (p *Plugin) isHealthy() bool {

@@ -338,11 +338,12 @@ func TestDevicesTurnUnhealthyOnlyOnceClosed(t *testing.T) {
 	if _, err := k.Allocate(context.Background(), res, 1); err != nil {
 		t.Fatalf("Allocate while not ready = %v; a pod the kubelet admits waits at its CNI ADD instead", err)
 	}
-	// Ready again: the Node is no longer kept closed.
+	// Ready again: the Node is no longer kept closed, before the devices
+	// turn Healthy.
 	ready.Set("test", true, "")
 	select {
 	case <-c.kept:
-	case <-time.After(10 * time.Second):
+	case <-time.After(5 * time.Second):
 		t.Fatal("KeepClosed still runs after the node is ready again")
 	}
 }
@@ -385,9 +386,39 @@ func TestCloseTimeoutBoundsTheClose(t *testing.T) {
 	startPlugin(t, dir, ready, func(cfg *deviceplugin.Config) { cfg.Closer, cfg.CloseTimeout = c, 200*time.Millisecond })
 	ready.Set("test", true, "")
 	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
+	dip := time.Now()
 	ready.Set("test", false, "ztunnel went away")
 	c.called(t)
 	eventually(t, "Unhealthy once the close timed out", func() bool { return k.Allocatable(res) == 0 })
+	if u, ok := k.FirstSince(res, dip, 0); !ok || u.At.Sub(dip) > 2*time.Second {
+		t.Fatalf("devices Unhealthy %s after the dip (%v), want about the 200 ms timeout", u.At.Sub(dip), ok)
+	}
+}
+
+// A chain the installer puts back within moments: the devices blink
+// Unhealthy, but the Node's count is not written 0 (that would keep the
+// node unschedulable until the kubelet's next sync).
+func TestAChainBlipLeavesTheNodeOpen(t *testing.T) {
+	dir := t.TempDir()
+	k := startKubelet(t, dir)
+	ready := readiness.New(nil, readiness.CNIInstalled, "test")
+	c := newCloser(k)
+	startPlugin(t, dir, ready, func(cfg *deviceplugin.Config) { cfg.Closer, cfg.CloseTimeout = c, deviceplugin.MaxCloseTimeout })
+	ready.Set(readiness.CNIInstalled, true, "")
+	ready.Set("test", true, "")
+	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
+	blip := time.Now()
+	ready.Set(readiness.CNIInstalled, false, "another CNI rewrote the chain")
+	ready.Set(readiness.CNIInstalled, true, "")
+	eventually(t, "healthy again, and past the time a lasting loss is written", func() bool {
+		select {
+		case <-c.keeps:
+			t.Fatal("the Node's count was written 0 for a chain put back at once")
+		default:
+		}
+		return k.Allocatable(res) == 8 && time.Since(blip) > time.Second
+	})
+	close(c.release)
 }
 
 // With the chain missing inpod-cni, a pod admitted now would set its
@@ -470,5 +501,13 @@ func TestStoppingClosesBeforeTheStreamEnds(t *testing.T) {
 	}
 	if _, err := os.Stat(p.SocketPath()); err == nil {
 		t.Fatal("the plugin's socket is still there after Run returned")
+	}
+	// After the stream ended, the Node was kept closed a moment, and
+	// nothing of the plugin runs on.
+	c.keepsClosed(t)
+	select {
+	case <-c.kept:
+	default:
+		t.Fatal("KeepClosed still runs after Run returned")
 	}
 }

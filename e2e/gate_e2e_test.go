@@ -153,8 +153,8 @@ func TestE2EDevicePluginGatesScheduling(t *testing.T) {
 		}
 		return p.Status.StartTime != nil
 	})
-	testkit.Eventually(t, 30*time.Second, "devices Unhealthy, the Node's allocatable 0 after the kubelet's status sync", func() bool {
-		return !a.Ready.State().Ready && allocatable() == 0
+	testkit.Eventually(t, 30*time.Second, "the devices Unhealthy once the bound pod was admitted", func() bool {
+		return healthChanges(t, a, "Unhealthy") == 1 && allocatable() == 0
 	})
 
 	z2 := ztunnel.New(ztunnel.Config{SocketPath: zdsSocket, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
@@ -175,4 +175,26 @@ func TestE2EDevicePluginGatesScheduling(t *testing.T) {
 			return p.Status.Phase == corev1.PodRunning && p.Annotations[enrollment.RedirectionAnnotation] == enrollment.AnnotationEnabled
 		})
 	}
+}
+
+// healthChanges reads the agent's count of device health changes to "to".
+func healthChanges(t *testing.T, a *agent.Agent, to string) float64 {
+	t.Helper()
+	families, err := a.Metrics.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != "inpod_deviceplugin_health_changes_total" {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "to" && l.GetValue() == to {
+					return m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return 0
 }
