@@ -228,11 +228,14 @@ func benchGateMode(ctx context.Context, b *testing.B, repo, imgDir string, m gat
 		})
 	}
 
+	// Sub-benchmarks, so that -bench 'E2EPodStartup/deviceplugin/rollout'
+	// runs one of them on the mode's node and install.
 	if m.startup {
-		benchStartup(ctx, b, client, node, m.name)
+		b.Run("startup", func(b *testing.B) { benchStartup(ctx, b, client, node, m.name) })
 	}
 	if m.name == "deviceplugin" {
 		benchTamperRepair(ctx, b, client, m.name)
+		b.Run("rollout", func(b *testing.B) { benchRollout(ctx, b, client, target, repo, release.DevTag, m.values(node)) })
 	}
 	if m.open == nil {
 		return
@@ -319,9 +322,7 @@ func benchStartup(ctx context.Context, b *testing.B, c kubernetes.Interface, nod
 		namespaces["floor"] = nil
 	}
 	for name, labels := range namespaces {
-		if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
-			b.Fatal(err)
-		}
+		ensureNamespace(ctx, b, c, name, labels)
 	}
 	// Warm-up, unmeasured (the first container from the image unpacks
 	// it), and a check that the enrolled pods are the real thing: the

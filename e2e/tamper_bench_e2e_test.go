@@ -17,6 +17,7 @@ import (
 
 	"github.com/inpod-dev/inpod/agent"
 	"github.com/inpod-dev/inpod/agent/redirect"
+	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/benchreport"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns"
@@ -42,6 +43,7 @@ const (
 // process, every 20 ms), then checked once: the same ruleset as before.
 func benchTamperRepair(ctx context.Context, b *testing.B, c kubernetes.Interface, mode string) {
 	const ns = "mesh"
+	ensureNamespace(ctx, b, c, ns, map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient})
 	for i := range tamperPods {
 		p := testAppPod(ns, fmt.Sprintf("tamper-%d", i))
 		p.Labels["round"] = "tamper"

@@ -1,0 +1,291 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/inpod-dev/inpod/e2e/chart"
+	"github.com/inpod-dev/inpod/e2e/images"
+	"github.com/inpod-dev/inpod/enrollment"
+	"github.com/inpod-dev/inpod/internal/benchreport"
+	"github.com/inpod-dev/inpod/internal/testkit"
+)
+
+// RolloutSection is the bench report's section for an agent rollout under
+// pod churn.
+const RolloutSection = "Agent rollout under pod churn (device-plugin gate)"
+
+// Pacing of the rollout benchmark: one enrolled pod every 500 ms, for long
+// enough to cover an agent's rollout on the node. (One every 200 ms, with
+// each pod deleted once Ready, is more than the 2-CPU test node sustains:
+// without a rollout, create → Ready grew to a median of 96 s.)
+const (
+	streamEvery = 500 * time.Millisecond
+	streamPods  = 150
+	// rolloutAfter pods into the stream, helm upgrade starts.
+	rolloutAfter = 10
+)
+
+// streamResult is what a stream of enrolled pods met.
+type streamResult struct {
+	ready []time.Duration // create → Ready
+	// rejected: pods the kubelet refused (Failed at admission).
+	rejected []string
+	// failedADDs: the kubelet's FailedCreatePodSandBox events (a CNI ADD
+	// failed, and is retried) on the stream's pods.
+	failedADDs int
+	// unfinished: neither Ready nor Failed by the deadline.
+	unfinished int
+}
+
+// benchRollout measures what an agent rollout does to enrolled pods being
+// created on the node: one every 200 ms, first with no rollout, then while
+// helm upgrade rolls the agent's DaemonSet (a changed pod annotation: the
+// same rollout as a new image, without a registry). Each pod is deleted
+// once Ready, so the stream never reaches the node's pod limit.
+func benchRollout(ctx context.Context, b *testing.B, c kubernetes.Interface, target chart.Target, repo, tag string, values []string) {
+	const ns = "churn"
+	ensureNamespace(ctx, b, c, ns, map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient})
+	base := podStream(ctx, b, c, ns, "steady", nil)
+	upgraded := make(chan time.Duration, 1)
+	logs := followAgentLogs(ctx, b, c, "deviceplugin")
+	roll := podStream(ctx, b, c, ns, "rollout", func() {
+		start := time.Now()
+		b.Logf("rollout: helm upgrade at %s", start.Format("15:04:05.000"))
+		if err := target.Install(ctx, repo, tag, append(values, "--set-string", `agent.podAnnotations.inpod\.dev/bench-rollout=`+start.Format("150405"))...); err != nil {
+			b.Error(err)
+		}
+		waitRolledOut(ctx, b, c)
+		upgraded <- time.Since(start)
+	})
+	took := <-upgraded
+	b.Logf("rollout: helm upgrade → the new agent pod Ready: %s", took.Round(time.Millisecond))
+	for _, l := range logs() {
+		b.Logf("the old agent: %s", l)
+	}
+	for _, r := range []struct {
+		name string
+		got  streamResult
+	}{{"no rollout", base}, {"agent rollout", roll}} {
+		b.Logf("%s: %d pods Ready, %d rejected %v, %d failed CNI ADDs (FailedCreatePodSandBox events), %d unfinished; create → Ready median %s, p99 %s",
+			r.name, len(r.got.ready), len(r.got.rejected), r.got.rejected, r.got.failedADDs, r.got.unfinished,
+			quantile(r.got.ready, 0.5).Round(time.Millisecond), quantile(r.got.ready, 0.99).Round(time.Millisecond))
+	}
+	benchreport.Record(b, benchreport.Figure{Section: RolloutSection,
+		Name:  fmt.Sprintf("pods rejected by the kubelet (UnexpectedAdmissionError) during the rollout, of %d", streamPods),
+		Value: float64(len(roll.rejected)), Unit: "pods", FloorName: "without a rollout", Floor: float64(len(base.rejected)), Target: "0"})
+	benchreport.Record(b, benchreport.Figure{Section: RolloutSection,
+		Name:  fmt.Sprintf("failed CNI ADDs (FailedCreatePodSandBox events) during the rollout, %d pods", streamPods),
+		Value: float64(roll.failedADDs), Unit: "events", FloorName: "without a rollout", Floor: float64(base.failedADDs), Target: "0"})
+	for _, q := range []struct {
+		name string
+		q    float64
+	}{{"median", 0.5}, {"p99", 0.99}} {
+		benchreport.Record(b, benchreport.Figure{Section: RolloutSection,
+			Name:  fmt.Sprintf("enrolled pod create → Ready during the rollout, %s (one every %s)", q.name, streamEvery),
+			Value: ms(quantile(roll.ready, q.q)), Unit: "ms", FloorName: "the same stream without a rollout", Floor: ms(quantile(base.ready, q.q)),
+			Target: "p99 within 1.2× of the stream without a rollout"})
+	}
+	benchreport.Record(b, benchreport.Figure{Section: RolloutSection,
+		Name: "helm upgrade → the new agent pod Ready", Value: ms(took), Unit: "ms"})
+}
+
+// podStream creates streamPods enrolled pods in ns, one every streamEvery,
+// starting during (when set) in the background after rolloutAfter of
+// them, and waits for each to be Ready (then deletes it) or Failed.
+func podStream(ctx context.Context, b *testing.B, c kubernetes.Interface, ns, prefix string, during func()) streamResult {
+	b.Helper()
+	pods := c.CoreV1().Pods(ns)
+	sel := "stream=" + prefix
+	w, err := pods.Watch(ctx, metav1.ListOptions{LabelSelector: sel})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer w.Stop()
+	var (
+		mu      sync.Mutex
+		created = map[string]time.Time{}
+		res     streamResult
+		done    = map[string]bool{}
+	)
+	grace := int64(0)
+	finished := make(chan struct{})
+	go func() {
+		defer close(finished)
+		for ev := range w.ResultChan() {
+			if ev.Type == watch.Error {
+				b.Errorf("%s: the watch ended: %v", prefix, ev.Object)
+				return
+			}
+			p, ok := ev.Object.(*corev1.Pod)
+			if !ok {
+				continue
+			}
+			mu.Lock()
+			at, known := created[p.Name]
+			switch {
+			case !known || done[p.Name]:
+			case p.Status.Phase == corev1.PodFailed:
+				done[p.Name] = true
+				res.rejected = append(res.rejected, fmt.Sprintf("%s at +%s: %s: %s", p.Name, time.Since(at).Round(time.Millisecond), p.Status.Reason, p.Status.Message))
+			case podReady(p):
+				done[p.Name] = true
+				res.ready = append(res.ready, time.Since(at))
+			}
+			finish := done[p.Name]
+			all := len(done) == streamPods
+			mu.Unlock()
+			if finish && p.DeletionTimestamp == nil {
+				pods.Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: &grace})
+			}
+			if all {
+				return
+			}
+		}
+	}()
+	var bg sync.WaitGroup
+	tick := time.NewTicker(streamEvery)
+	defer tick.Stop()
+	for i := range streamPods {
+		if i == rolloutAfter && during != nil {
+			bg.Go(during)
+		}
+		name := fmt.Sprintf("%s-%d", prefix, i)
+		p := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{"stream": prefix}},
+			Spec: corev1.PodSpec{TerminationGracePeriodSeconds: &grace, Containers: []corev1.Container{{
+				Name: "app", Image: images.TestAppRef, ImagePullPolicy: corev1.PullNever, Args: []string{"--listen", ":8080"}}}},
+		}
+		mu.Lock()
+		created[name] = time.Now()
+		mu.Unlock()
+		if _, err := pods.Create(ctx, p, metav1.CreateOptions{}); err != nil {
+			b.Fatal(err)
+		}
+		<-tick.C
+	}
+	bg.Wait()
+	select {
+	case <-finished:
+	case <-time.After(5 * time.Minute):
+	case <-ctx.Done():
+		b.Fatal(ctx.Err())
+	}
+	mu.Lock()
+	res.unfinished = streamPods - len(done)
+	mu.Unlock()
+	events, err := c.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "reason=FailedCreatePodSandBox"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, e := range events.Items {
+		if strings.HasPrefix(e.InvolvedObject.Name, prefix+"-") {
+			res.failedADDs += int(max(e.Count, 1))
+		}
+	}
+	deletePodsBySelector(ctx, b, c, ns, sel)
+	return res
+}
+
+func podReady(p *corev1.Pod) bool {
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue {
+			return true
+		}
+	}
+	return false
+}
+
+// waitRolledOut waits until the agent's DaemonSet has rolled its pod on
+// the node and the new one is Ready.
+func waitRolledOut(ctx context.Context, b *testing.B, c kubernetes.Interface) {
+	testkit.Eventually(b, 5*time.Minute, "the agent DaemonSet rolled out", func() bool {
+		list, err := c.AppsV1().DaemonSets(chart.Namespace).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=agent"})
+		if err != nil || len(list.Items) != 1 {
+			return false
+		}
+		ds := list.Items[0]
+		return rolledOut(&ds)
+	})
+}
+
+func rolledOut(ds *appsv1.DaemonSet) bool {
+	s := ds.Status
+	return s.ObservedGeneration >= ds.Generation && s.DesiredNumberScheduled > 0 &&
+		s.UpdatedNumberScheduled == s.DesiredNumberScheduled && s.NumberReady == s.DesiredNumberScheduled &&
+		s.NumberUnavailable == 0
+}
+
+// deletePodsBySelector deletes what a stream left and waits for it to go.
+func deletePodsBySelector(ctx context.Context, b *testing.B, c kubernetes.Interface, ns, sel string) {
+	grace := int64(0)
+	if err := c.CoreV1().Pods(ns).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: &grace}, metav1.ListOptions{LabelSelector: sel}); err != nil {
+		b.Fatal(err)
+	}
+	testkit.Eventually(b, 3*time.Minute, "the stream's pods gone", func() bool {
+		l, err := c.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: sel})
+		return err == nil && len(l.Items) == 0
+	})
+}
+
+// ensureNamespace creates a namespace for a benchmark, or finds it made by
+// an earlier one on the same node.
+func ensureNamespace(ctx context.Context, b testing.TB, c kubernetes.Interface, name string, labels map[string]string) {
+	b.Helper()
+	_, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		b.Fatal(err)
+	}
+}
+
+// followAgentLogs follows the running agent pod's log and returns what it
+// said so far of component (its gate's lines: an agent going away in a
+// rollout takes its log with it).
+func followAgentLogs(ctx context.Context, b *testing.B, c kubernetes.Interface, component string) func() []string {
+	b.Helper()
+	pods, err := c.CoreV1().Pods(chart.Namespace).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=agent"})
+	if err != nil || len(pods.Items) != 1 {
+		b.Fatalf("the agent pod: %v (%d pods)", err, len(pods.Items))
+	}
+	since := metav1.Now()
+	stream, err := c.CoreV1().Pods(chart.Namespace).GetLogs(pods.Items[0].Name, &corev1.PodLogOptions{Follow: true, SinceTime: &since}).Stream(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var (
+		mu    sync.Mutex
+		lines []string
+	)
+	go func() {
+		defer stream.Close()
+		sc := bufio.NewScanner(stream)
+		sc.Buffer(make([]byte, 64*1024), 1024*1024)
+		for sc.Scan() {
+			if l := sc.Text(); strings.Contains(l, `"component":"`+component+`"`) || strings.Contains(l, "allocatable") {
+				mu.Lock()
+				lines = append(lines, l)
+				mu.Unlock()
+			}
+		}
+	}()
+	return func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(lines)
+	}
+}
