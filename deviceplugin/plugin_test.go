@@ -297,6 +297,21 @@ func (c *closer) CloseScheduling(ctx context.Context) error {
 	}
 }
 
+// startHealthyWithCloser starts a kubelet stand-in and a plugin closing
+// through a test closer, and turns every condition of ready true.
+func startHealthyWithCloser(t *testing.T, ready *readiness.Aggregate, timeout time.Duration) (*kubelettest.Kubelet, *closer) {
+	t.Helper()
+	dir := t.TempDir()
+	k := startKubelet(t, dir)
+	c := newCloser(k)
+	startPlugin(t, dir, ready, func(cfg *deviceplugin.Config) { cfg.Closer, cfg.CloseTimeout = c, timeout })
+	for _, cond := range []string{readiness.CNIInstalled, "test"} {
+		ready.Set(cond, true, "")
+	}
+	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
+	return k, c
+}
+
 func (c *closer) called(t *testing.T) int {
 	t.Helper()
 	select {
@@ -313,13 +328,8 @@ func (c *closer) called(t *testing.T) int {
 // no device Healthy), and only then turns them Unhealthy; the kubelet's
 // Allocate is granted meanwhile.
 func TestDevicesTurnUnhealthyOnlyOnceClosed(t *testing.T) {
-	dir := t.TempDir()
-	k := startKubelet(t, dir)
 	ready := newReady()
-	c := newCloser(k)
-	startPlugin(t, dir, ready, func(cfg *deviceplugin.Config) { cfg.Closer, cfg.CloseTimeout = c, deviceplugin.MaxCloseTimeout })
-	ready.Set("test", true, "")
-	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
+	k, c := startHealthyWithCloser(t, ready, deviceplugin.MaxCloseTimeout)
 
 	dip := time.Now()
 	ready.Set("test", false, "ztunnel went away")
@@ -351,13 +361,8 @@ func TestDevicesTurnUnhealthyOnlyOnceClosed(t *testing.T) {
 // Ready again before the close ends: the close is called off and the
 // devices never leave Healthy.
 func TestReadyAgainCancelsTheClose(t *testing.T) {
-	dir := t.TempDir()
-	k := startKubelet(t, dir)
 	ready := newReady()
-	c := newCloser(k)
-	startPlugin(t, dir, ready, func(cfg *deviceplugin.Config) { cfg.Closer, cfg.CloseTimeout = c, deviceplugin.MaxCloseTimeout })
-	ready.Set("test", true, "")
-	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
+	k, c := startHealthyWithCloser(t, ready, deviceplugin.MaxCloseTimeout)
 	dip := time.Now()
 	ready.Set("test", false, "ztunnel went away")
 	c.called(t)
@@ -379,13 +384,8 @@ func TestReadyAgainCancelsTheClose(t *testing.T) {
 // The close is bounded: a Closer that never returns leaves the devices
 // Healthy for CloseTimeout, no longer.
 func TestCloseTimeoutBoundsTheClose(t *testing.T) {
-	dir := t.TempDir()
-	k := startKubelet(t, dir)
 	ready := newReady()
-	c := newCloser(k)
-	startPlugin(t, dir, ready, func(cfg *deviceplugin.Config) { cfg.Closer, cfg.CloseTimeout = c, 200*time.Millisecond })
-	ready.Set("test", true, "")
-	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
+	k, c := startHealthyWithCloser(t, ready, 200*time.Millisecond)
 	dip := time.Now()
 	ready.Set("test", false, "ztunnel went away")
 	c.called(t)
@@ -399,14 +399,8 @@ func TestCloseTimeoutBoundsTheClose(t *testing.T) {
 // Unhealthy, but the Node's count is not written 0 (that would keep the
 // node unschedulable until the kubelet's next sync).
 func TestAChainBlipLeavesTheNodeOpen(t *testing.T) {
-	dir := t.TempDir()
-	k := startKubelet(t, dir)
 	ready := readiness.New(nil, readiness.CNIInstalled, "test")
-	c := newCloser(k)
-	startPlugin(t, dir, ready, func(cfg *deviceplugin.Config) { cfg.Closer, cfg.CloseTimeout = c, deviceplugin.MaxCloseTimeout })
-	ready.Set(readiness.CNIInstalled, true, "")
-	ready.Set("test", true, "")
-	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
+	k, c := startHealthyWithCloser(t, ready, deviceplugin.MaxCloseTimeout)
 	blip := time.Now()
 	ready.Set(readiness.CNIInstalled, false, "another CNI rewrote the chain")
 	ready.Set(readiness.CNIInstalled, true, "")

@@ -77,18 +77,21 @@ func TestE2EDevicePluginGatesScheduling(t *testing.T) {
 	if _, err := pods.Create(ctx, gated("early"), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	testkit.Eventually(t, 60*time.Second, "the scheduler to report the pod unschedulable", func() bool {
-		p, err := pods.Get(ctx, "early", metav1.GetOptions{})
-		if err != nil {
+	unschedulable := func(name string) func() bool {
+		return func() bool {
+			p, err := pods.Get(ctx, name, metav1.GetOptions{})
+			if err != nil {
+				return false
+			}
+			for _, c := range p.Status.Conditions {
+				if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && strings.Contains(c.Message, string(gateResource)) {
+					return p.Spec.NodeName == ""
+				}
+			}
 			return false
 		}
-		for _, c := range p.Status.Conditions {
-			if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && strings.Contains(c.Message, string(gateResource)) {
-				return p.Spec.NodeName == ""
-			}
-		}
-		return false
-	})
+	}
+	testkit.Eventually(t, 60*time.Second, "the scheduler to report the pod unschedulable", unschedulable("early"))
 
 	// ztunnel connects: the node becomes ready; the scheduler sees it at
 	// the kubelet's next node-status sync.
@@ -131,18 +134,7 @@ func TestE2EDevicePluginGatesScheduling(t *testing.T) {
 	if _, err := pods.Create(ctx, enrolled(gated("after-dip")), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	testkit.Eventually(t, 60*time.Second, "the scheduler to hold the pod created after the dip", func() bool {
-		p, err := pods.Get(ctx, "after-dip", metav1.GetOptions{})
-		if err != nil {
-			return false
-		}
-		for _, c := range p.Status.Conditions {
-			if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && strings.Contains(c.Message, string(gateResource)) {
-				return p.Spec.NodeName == ""
-			}
-		}
-		return false
-	})
+	testkit.Eventually(t, 60*time.Second, "the scheduler to hold the pod created after the dip", unschedulable("after-dip"))
 	testkit.Eventually(t, 30*time.Second, "the kubelet to admit the pod bound just before the dip", func() bool {
 		p, err := pods.Get(ctx, "just-bound", metav1.GetOptions{})
 		if err != nil {
