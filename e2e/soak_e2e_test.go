@@ -1346,7 +1346,9 @@ func (s *soak) checkLive() {
 // repair bound (a fault's last repair may still be settling): enrolled
 // pods with reason Redirected (their rules were just checked above),
 // pods outside the mesh with reason NotEnrolled (a namespace flip gave
-// them the gate; it must never hold back a pod outside the mesh).
+// them the gate; it must never hold back a pod outside the mesh). A pod
+// whose namespace flipped since its creation is judged by the label as it
+// is at the end: the agent enrolls or unenrolls running pods on a flip.
 func (s *soak) checkConditions(live []*soakPod) {
 	pods := s.c.Client.CoreV1()
 	var wrong []string
@@ -1363,12 +1365,18 @@ func (s *soak) checkConditions(live []*soakPod) {
 			if !enrollment.HasRedirectedGate(p) {
 				continue
 			}
+			// A namespace flip since the pod's creation moves it in or
+			// out of the mesh: the agent follows the label as it is now.
+			enrolled := sp.enrolled
+			if _, unchanged := s.labelledOver(sp.ns, sp.created.Add(-2*time.Second), time.Now()); !unchanged {
+				enrolled, _ = s.labelledOver(sp.ns, time.Now(), time.Now())
+			}
 			want := "True/" + enrollment.ReasonNotEnrolled
-			if sp.enrolled {
+			if enrolled {
 				want = "True/" + enrollment.ReasonRedirected
 			}
 			if got := conditionOf(p, enrollment.RedirectedCondition); got != want || conditionOf(p, corev1.PodReady) != "True/" {
-				wrong = append(wrong, fmt.Sprintf("%s/%s (enrolled %v): condition %s %s, want %s; Ready %s", sp.ns, sp.name, sp.enrolled,
+				wrong = append(wrong, fmt.Sprintf("%s/%s (enrolled %v): condition %s %s, want %s; Ready %s", sp.ns, sp.name, enrolled,
 					enrollment.RedirectedCondition, got, want, conditionOf(p, corev1.PodReady)))
 			}
 		}
