@@ -106,8 +106,10 @@ lint: deps ## [check] gofmt, go vet, staticcheck, golangci-lint (import rules, m
 test: ## [start] every tier, fastest first (lint, check-generated, check-chart, unit, fuzz, integration, e2e); the time of each at the end
 	@MAKE="$(MAKE)" hack/test-tiers.sh lint check-generated check-chart test-unit test-fuzz test-integration test-e2e
 
+# -timeout 20m: go test's own 10 min per package is too tight for release/,
+# which builds every shipped image for two platforms (minutes on a cold cache).
 test-unit: deps ## [check] unit tier (root: real netns and netfilter), minutes
-	INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh) $(GO) test -race -count=1 ./...
+	INPOD_TEST_CNI_PLUGINS=$$(hack/cni-bins.sh) $(GO) test -race -count=1 -timeout 20m ./...
 
 # Go fuzz targets (func FuzzX(f *testing.F), each beside the code it feeds),
 # found by grep so a new one is run without editing this file. go test
