@@ -19,31 +19,37 @@
 //     (Source.Pause: stops accepting, finishes what is in flight, closes
 //     its ztunnel connections) and sends its listening sockets, named, as
 //     SCM_RIGHTS.
-//  3. The successor, holding them all, answers "got" and from then on
-//     serves them: it never gives them back.
-//  4. The running agent, on "got", closes its copies and is retired. On
-//     anything else (the successor died, closed, sent something else) it
-//     resumes (Source.Resume) with the sockets it still holds.
+//  3. The successor, holding them all, answers "got".
+//  4. The running agent alone decides. On "got" within its bound it closes
+//     its copies (leaving the paths: Source.Retire), is retired, and says
+//     "retired"; on anything else (the successor died, closed, was late or
+//     sent something else) it says "resume" and serves on (Source.Resume)
+//     with the sockets it still holds.
+//  5. The successor serves on "retired", or on the running agent's end of
+//     the connection closing (it died: only the successor's copies keep
+//     the sockets); on "resume" it closes its copies.
 //
 // # Why exactly one agent serves
 //
-// A listening socket lives while any process holds it. Before "got" only
-// the running agent accepts on them (the successor holds copies it does not
-// use yet, and closes them if it fails); after "got" only the successor
-// does: the running agent stopped accepting in Pause and never resumes
-// once it has read "got". The one moment the two disagree is a successor
-// that sent "got" and died at once: then neither serves, the kernel closes
-// the sockets with the last copy, and the next agent binds them afresh;
-// meanwhile the CNI plugin's connect is refused and an enrolled pod's ADD
-// fails closed, as when an agent crashes today. A successor never binds
-// over a socket another process serves (unixsock refuses), so a stuck
-// running agent makes its successor wait, never run beside it.
+// A listening socket lives while any process holds it. Until the running
+// agent decides, only it accepts (it paused, and the successor does not use
+// its copies yet); after it decides, the successor serves exactly when the
+// running agent does not, since the successor acts only on its word or its
+// death. Two ways end with nobody serving, never two: a successor that
+// dies after "got", and a stuck exchange the successor gives up on (Take's
+// bound). The kernel then closes the sockets with the last copy, the CNI
+// plugin's connect is refused and an enrolled pod's ADD fails closed, as
+// when an agent crashes today, until the next agent binds them afresh.
+// Equal ranks are refused, so two agents never pass the sockets back and
+// forth. Not covered here: two agents that both find no running agent and
+// bind at once: the agent's binding side must hold a lock for that.
 package handover
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"maps"
 	"net"
@@ -88,9 +94,22 @@ type Source interface {
 	// Resume serves again: the successor failed before it took over.
 	Resume()
 	// Retire is called once the successor holds the sockets: the Source
-	// closes its copies and does nothing more on the node.
+	// closes its copies, after SetUnlinkOnClose(false) on its listeners
+	// (the paths are the successor's), and does nothing more on the node.
 	Retire()
 }
+
+// Bounds of one exchange, variables for the tests.
+var (
+	// pauseTimeout bounds Source.Pause: a running agent that cannot finish
+	// its work in flight by then resumes and refuses.
+	pauseTimeout = 20 * time.Second
+	// confirmTimeout is how long the running agent waits for "got".
+	confirmTimeout = 10 * time.Second
+	// takeTimeout bounds Take when its context has no deadline: past
+	// pauseTimeout and confirmTimeout, so the running agent decides first.
+	takeTimeout = time.Minute
+)
 
 // Serve answers hand-over requests on ln for the running agent until ctx
 // ends (false) or a successor took over (true, after src.Retire). Requests
@@ -98,18 +117,23 @@ type Source interface {
 func Serve(ctx context.Context, ln *net.UnixListener, log *slog.Logger, rank int64, src Source) (bool, error) {
 	stop := context.AfterFunc(ctx, func() { ln.SetDeadline(time.Now()) })
 	defer stop()
+	var pause time.Duration
 	for {
 		uc, err := ln.AcceptUnix()
 		if err != nil {
 			if ctx.Err() != nil {
 				return false, nil
 			}
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
-				continue
+			if errors.Is(err, net.ErrClosed) {
+				return false, fmt.Errorf("handover: accept: %w", err)
 			}
-			return false, fmt.Errorf("handover: accept: %w", err)
+			// EMFILE and the like pass: the socket must stay served.
+			pause = min(max(2*pause, 5*time.Millisecond), time.Second)
+			log.Error("hand-over accept failed", "err", err, "retryIn", pause)
+			time.Sleep(pause)
+			continue
 		}
+		pause = 0
 		taken, err := give(ctx, uc, ln, rank, src)
 		uc.Close()
 		if err != nil {
@@ -122,8 +146,12 @@ func Serve(ctx context.Context, ln *net.UnixListener, log *slog.Logger, rank int
 	}
 }
 
-// give runs one exchange; true once the successor holds the sockets.
+// give runs one exchange; true once the successor holds the sockets. Only
+// this side decides: it answers "got" with "retired" or "resume", so the
+// successor serves exactly when this agent does not.
 func give(ctx context.Context, uc *net.UnixConn, ln *net.UnixListener, rank int64, src Source) (bool, error) {
+	stop := context.AfterFunc(ctx, func() { uc.SetDeadline(time.Now()) })
+	defer stop()
 	cred, err := unixsock.CheckPeer(uc, nil)
 	if err != nil {
 		return false, err
@@ -133,23 +161,30 @@ func give(ctx context.Context, uc *net.UnixConn, ln *net.UnixListener, rank int6
 	if err != nil {
 		return false, fmt.Errorf("successor pid %d: %w", cred.Pid, err)
 	}
-	if theirs < rank {
-		reason := fmt.Sprintf("this agent's pod is newer (rank %d > %d)", rank, theirs)
+	// Strictly newer: two agents of one rank would pass the sockets back
+	// and forth.
+	if theirs <= rank {
+		reason := fmt.Sprintf("this agent's pod is not older (rank %d, the successor's %d)", rank, theirs)
 		uc.Write([]byte("refuse " + reason))
 		return false, fmt.Errorf("successor pid %d refused: %s", cred.Pid, reason)
 	}
-	uc.SetDeadline(time.Time{})
-	files, err := src.Pause(ctx)
-	if err != nil {
+	refuse := func(what string, err error) (bool, error) {
 		src.Resume()
-		uc.Write([]byte("refuse cannot pause: " + err.Error()))
-		return false, fmt.Errorf("pause: %w", err)
+		uc.Write([]byte("refuse " + what + ": " + err.Error()))
+		return false, fmt.Errorf("%s: %w", what, err)
+	}
+	pctx, cancel := context.WithTimeout(ctx, pauseTimeout)
+	files, err := src.Pause(pctx)
+	cancel()
+	if err != nil {
+		return refuse("cannot pause", err)
+	}
+	if ctx.Err() != nil {
+		return refuse("stopping", ctx.Err())
 	}
 	hf, err := ln.File()
 	if err != nil {
-		src.Resume()
-		uc.Write([]byte("refuse " + err.Error()))
-		return false, fmt.Errorf("the hand-over socket's file: %w", err)
+		return refuse("the hand-over socket's file", err)
 	}
 	defer hf.Close()
 	names := []string{HandoverSocket}
@@ -161,28 +196,34 @@ func give(ctx context.Context, uc *net.UnixConn, ln *net.UnixListener, rank int6
 	fds := make([]int, len(all))
 	for i, f := range all {
 		if fds[i], err = rawFD(f); err != nil {
-			src.Resume()
-			uc.Write([]byte("refuse " + err.Error()))
-			return false, fmt.Errorf("socket %s: %w", names[i], err)
+			return refuse("socket "+names[i], err)
 		}
 	}
-	// Only "got" commits: the successor's death or a stray answer (or a
-	// stuck successor, after the bound) leaves the sockets here.
-	uc.SetDeadline(time.Now().Add(10 * time.Second))
+	uc.SetDeadline(time.Now().Add(confirmTimeout))
 	if _, _, err := uc.WriteMsgUnix([]byte("sockets "+strings.Join(names, " ")), unix.UnixRights(fds...), nil); err != nil {
-		src.Resume()
-		return false, fmt.Errorf("send the sockets: %w", err)
+		return refuse("send the sockets", err)
 	}
 	buf := make([]byte, maxMessage)
 	n, err := uc.Read(buf)
 	if err != nil || string(buf[:n]) != "got" {
-		src.Resume()
 		if err == nil {
 			err = fmt.Errorf("answer %q, want \"got\"", buf[:n])
 		}
-		return false, fmt.Errorf("successor pid %d did not take the sockets: %w", cred.Pid, err)
+		// A successor that is only late reads this before it serves. If
+		// it cannot be told (neither written nor the successor gone), it
+		// may read EOF and serve: retire instead of serving beside it.
+		uc.SetDeadline(time.Now().Add(time.Second))
+		if _, werr := uc.Write([]byte("resume")); werr == nil || isPeerGone(werr) {
+			src.Resume()
+			return false, fmt.Errorf("successor pid %d did not take the sockets: %w", cred.Pid, err)
+		}
 	}
+	// The paths are the successor's now: closing a copy here must not
+	// remove them.
+	ln.SetUnlinkOnClose(false)
 	src.Retire()
+	uc.SetDeadline(time.Now().Add(time.Second))
+	uc.Write([]byte("retired")) // if lost, the successor reads EOF: the same
 	return true, nil
 }
 
@@ -205,11 +246,20 @@ func readTake(uc *net.UnixConn) (int64, error) {
 
 // Take asks the agent serving the hand-over socket at path for its
 // sockets. rank orders agents: the pod created last serves (its creation
-// time in nanoseconds; a restarted container keeps its pod's rank). On
-// success the caller holds the named sockets and must serve them (the
-// running agent has retired); ErrNoAgent means none serves path; any other
-// error leaves the running agent serving, and the caller holding nothing.
+// time; a restarted container keeps its pod's rank, and equal ranks are
+// refused). On success the caller holds the named sockets and must serve
+// them: the running agent retired or died. ErrNoAgent means none serves
+// path: the caller binds the sockets itself. ErrInterrupted (the running
+// agent went away mid-exchange) is worth another Take. Any other error
+// leaves the caller holding nothing, and the running agent serving, or
+// (after a stuck exchange) nobody: an ADD then fails closed until the next
+// agent binds the sockets afresh.
 func Take(ctx context.Context, path string, rank int64) (map[string]*os.File, error) {
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, takeTimeout)
+		defer cancel()
+	}
 	var d net.Dialer
 	c, err := d.DialContext(ctx, "unixpacket", path)
 	if err != nil {
@@ -220,10 +270,17 @@ func Take(ctx context.Context, path string, rank int64) (map[string]*os.File, er
 	}
 	uc := c.(*net.UnixConn)
 	defer uc.Close()
+	return takeOver(ctx, uc, rank)
+}
+
+// ErrInterrupted: the running agent went away before it sent its sockets.
+var ErrInterrupted = errors.New("handover: the running agent went away mid-exchange")
+
+func takeOver(ctx context.Context, uc *net.UnixConn, rank int64) (map[string]*os.File, error) {
 	// The running agent is root, as this one must be: a socket held by
 	// anyone else is not an agent's.
 	if _, err := unixsock.CheckPeer(uc, nil); err != nil {
-		return nil, fmt.Errorf("handover: %s: %w", path, err)
+		return nil, fmt.Errorf("handover: %w", err)
 	}
 	stop := context.AfterFunc(ctx, func() { uc.SetDeadline(time.Now()) })
 	defer stop()
@@ -233,9 +290,6 @@ func Take(ctx context.Context, path string, rank int64) (map[string]*os.File, er
 	buf := make([]byte, maxMessage)
 	oob := make([]byte, unix.CmsgSpace(16*4))
 	n, oobn, flags, _, err := uc.ReadMsgUnix(buf, oob)
-	if err != nil {
-		return nil, fmt.Errorf("handover: read the answer: %w", err)
-	}
 	fds, fdErr := rights(oob[:oobn])
 	files := make([]*os.File, len(fds))
 	for i, fd := range fds {
@@ -245,6 +299,16 @@ func Take(ctx context.Context, path string, rank int64) (map[string]*os.File, er
 		for _, f := range files {
 			f.Close()
 		}
+	}
+	if err == nil && n == 0 {
+		err = io.EOF
+	}
+	if err != nil {
+		closeAll()
+		if isPeerGone(err) {
+			return nil, ErrInterrupted
+		}
+		return nil, fmt.Errorf("handover: read the answer: %w", err)
 	}
 	msg := string(buf[:n])
 	if reason, ok := strings.CutPrefix(msg, "refuse "); ok {
@@ -256,34 +320,48 @@ func Take(ctx context.Context, path string, rank int64) (map[string]*os.File, er
 	switch {
 	case fdErr != nil:
 		err = fdErr
-	case flags&unix.MSG_CTRUNC != 0:
-		err = errors.New("more sockets than expected (control data truncated)")
+	case flags&(unix.MSG_CTRUNC|unix.MSG_TRUNC) != 0:
+		err = errors.New("the answer was truncated")
 	case !ok || len(fields) != len(files):
 		err = fmt.Errorf("answer %q with %d sockets", msg, len(files))
 	case !slices.Contains(fields, HandoverSocket):
 		err = fmt.Errorf("answer %q names no %s socket", msg, HandoverSocket)
 	}
-	if err != nil {
-		closeAll()
-		return nil, fmt.Errorf("handover: %w", err)
-	}
 	got := make(map[string]*os.File, len(files))
 	for i, name := range fields {
-		if got[name] != nil {
-			closeAll()
-			return nil, fmt.Errorf("handover: answer %q names %s twice", msg, name)
+		if err == nil && got[name] != nil {
+			err = fmt.Errorf("answer %q names %s twice", msg, name)
 		}
-		got[name] = files[i]
+		if err == nil {
+			got[name] = files[i]
+		}
 	}
-	// From here the sockets are this agent's, whatever the running agent
-	// does next: it retires on reading "got", and if it died meanwhile the
-	// sockets live on in these files.
-	uc.SetDeadline(time.Time{})
-	if _, err := uc.Write([]byte("got")); err != nil && !isPeerGone(err) {
+	if err != nil {
+		closeAll()
+		// The running agent resumes on anything but "got".
+		return nil, fmt.Errorf("handover: %w", err)
+	}
+	if _, err := uc.Write([]byte("got")); err != nil {
+		if isPeerGone(err) {
+			return got, nil // it died: the sockets live on in these files
+		}
 		closeAll()
 		return nil, fmt.Errorf("handover: confirm: %w", err)
 	}
-	return got, nil
+	// The running agent decides: "retired", or "resume" if "got" came too
+	// late. If it dies instead, the sockets live on in these files.
+	n, err = uc.Read(buf)
+	switch {
+	case err == nil && string(buf[:n]) == "retired", err == nil && n == 0, err != nil && isPeerGone(err):
+		return got, nil
+	case err == nil && string(buf[:n]) == "resume":
+		closeAll()
+		return nil, errors.New("handover: the running agent resumed: this agent confirmed too late")
+	case err == nil:
+		err = fmt.Errorf("answer %q, want \"retired\"", buf[:n])
+	}
+	closeAll()
+	return nil, fmt.Errorf("handover: after confirming: %w", err)
 }
 
 // Listener turns a received socket into a listener (the file stays open:
@@ -342,7 +420,7 @@ func rawFD(f *os.File) (int, error) {
 	return fd, nil
 }
 
-// isPeerGone: the running agent exited after sending the sockets.
+// isPeerGone: the process at the other end exited or closed.
 func isPeerGone(err error) bool {
-	return errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
+	return errors.Is(err, io.EOF) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
 }

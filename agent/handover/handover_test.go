@@ -34,6 +34,16 @@ type agentSide struct {
 	retired  bool
 	pauseErr error
 	hold     chan struct{} // when set, Pause waits for it to close
+	file     *os.File      // the socket's copy Pause gave, the Source's to close
+}
+
+func (a *agentSide) closeFile() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.file != nil {
+		a.file.Close()
+		a.file = nil
+	}
 }
 
 func newAgentSide(t *testing.T, name string, ln *net.UnixListener) *agentSide {
@@ -49,17 +59,15 @@ func (a *agentSide) serve() {
 	go func() {
 		defer close(done)
 		for {
-			a.ln.SetDeadline(time.Now().Add(20 * time.Millisecond))
-			c, err := a.ln.Accept()
 			select {
 			case <-stop:
-				if err == nil {
-					c.Close()
-				}
 				return
 			default:
 			}
-			if err == nil {
+			// The deadline only lets the loop see stop: a connection
+			// accepted is always answered.
+			a.ln.SetDeadline(time.Now().Add(20 * time.Millisecond))
+			if c, err := a.ln.Accept(); err == nil {
 				c.Write([]byte(a.name))
 				c.Close()
 			}
@@ -93,7 +101,9 @@ func (a *agentSide) Pause(context.Context) (map[string]*os.File, error) {
 	if err != nil {
 		return nil, err
 	}
-	a.t.Cleanup(func() { f.Close() })
+	a.mu.Lock()
+	a.file = f
+	a.mu.Unlock()
 	return map[string]*os.File{"cni": f}, nil
 }
 
@@ -101,6 +111,7 @@ func (a *agentSide) Resume() {
 	a.mu.Lock()
 	a.resumed++
 	a.mu.Unlock()
+	a.closeFile()
 	a.serve()
 }
 
@@ -110,6 +121,7 @@ func (a *agentSide) Retire() {
 	a.mu.Unlock()
 	a.ln.SetUnlinkOnClose(false) // the successor serves the same path
 	a.ln.Close()
+	a.closeFile()
 }
 
 func (a *agentSide) counts() (paused, resumed int, retired bool) {
@@ -144,7 +156,10 @@ func (n node) firstAgent(t *testing.T, name string, rank int64) (*agentSide, <-c
 func serveHandover(t *testing.T, a *agentSide, hln *net.UnixListener, rank int64) (*agentSide, <-chan bool) {
 	ctx, cancel := context.WithCancel(context.Background())
 	taken := make(chan bool, 1)
+	ended := make(chan struct{})
+	t.Cleanup(func() { cancel(); <-ended })
 	go func() {
+		defer close(ended)
 		ok, err := Serve(ctx, hln, slog.New(slog.DiscardHandler), rank, a)
 		if err != nil {
 			t.Errorf("%s: Serve: %v", a.name, err)
@@ -155,7 +170,6 @@ func serveHandover(t *testing.T, a *agentSide, hln *net.UnixListener, rank int64
 		hln.Close()
 		taken <- ok
 	}()
-	t.Cleanup(cancel)
 	return a, taken
 }
 
@@ -379,8 +393,15 @@ func TestTwoSuccessorsTakeOneAfterTheOther(t *testing.T) {
 		paused, _, _ := old.counts()
 		return paused == 1
 	})
+	// The second successor's connection is made before the first
+	// exchange ends: it waits in the backlog of the socket being passed.
+	c, err := net.Dial("unixpacket", n.handoverPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
 	second := make(chan result, 1)
-	go func() { f, err := Take(context.Background(), n.handoverPath, 3); second <- result{f, err} }()
+	go func() { f, err := takeOver(context.Background(), c.(*net.UnixConn), 3); second <- result{f, err} }()
 	close(hold)
 	r1 := <-first
 	if r1.err != nil {
@@ -403,5 +424,188 @@ func TestTwoSuccessorsTakeOneAfterTheOther(t *testing.T) {
 	successor(t, "new", r2.files, 3)
 	if got := whoAnswers(t, n.cniPath); got != "new" {
 		t.Fatalf("%q answered, want new", got)
+	}
+}
+
+func TestAnEqualRankIsRefused(t *testing.T) {
+	n := newNode(t)
+	old, _ := n.firstAgent(t, "old", 5)
+	var refused *Refused
+	if _, err := Take(context.Background(), n.handoverPath, 5); !errors.As(err, &refused) {
+		t.Fatalf("Take with the running agent's own rank: %v, want a refusal", err)
+	}
+	if paused, _, _ := old.counts(); paused != 0 {
+		t.Fatal("paused for an equal rank")
+	}
+}
+
+// A successor that confirms after the running agent's bound is told to
+// resume and serves nothing: never two agents accepting.
+func TestALateConfirmationIsAnsweredResume(t *testing.T) {
+	defer func(d time.Duration) { confirmTimeout = d }(confirmTimeout)
+	confirmTimeout = 100 * time.Millisecond
+	n := newNode(t)
+	old, oldTaken := n.firstAgent(t, "old", 1)
+	uc := rawTake(t, n.handoverPath, "take "+protocol+" 2")
+	defer uc.Close()
+	testkit.Eventually(t, 10*time.Second, "the running agent resumed", func() bool {
+		_, resumed, _ := old.counts()
+		return resumed == 1
+	})
+	uc.Write([]byte("got"))
+	buf := make([]byte, maxMessage)
+	n2, err := uc.Read(buf)
+	if err != nil || string(buf[:n2]) != "resume" {
+		t.Fatalf("a late \"got\" was answered %q, %v; want resume", buf[:n2], err)
+	}
+	select {
+	case <-oldTaken:
+		t.Fatal("Serve reported a hand-over after a late confirmation")
+	default:
+	}
+	if got := whoAnswers(t, n.cniPath); got != "old" {
+		t.Fatalf("%q answered, want old", got)
+	}
+}
+
+// fakeRunningAgent accepts one hand-over request on a fresh socket and
+// then does what act says, in place of a real running agent that dies.
+func fakeRunningAgent(t *testing.T, path string, act func(*net.UnixConn)) {
+	ln, err := unixsock.Listen("unixpacket", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	t.Cleanup(func() { ln.Close(); <-done })
+	go func() {
+		defer close(done)
+		uc, err := ln.AcceptUnix()
+		if err != nil {
+			return
+		}
+		defer uc.Close()
+		buf := make([]byte, maxMessage)
+		if _, err := uc.Read(buf); err == nil {
+			act(uc)
+		}
+	}()
+}
+
+func TestARunningAgentThatDiesBeforeAnsweringInterrupts(t *testing.T) {
+	n := newNode(t)
+	fakeRunningAgent(t, n.handoverPath, func(*net.UnixConn) {})
+	if _, err := Take(context.Background(), n.handoverPath, 2); !errors.Is(err, ErrInterrupted) {
+		t.Fatalf("Take from an agent that died mid-exchange: %v, want ErrInterrupted", err)
+	}
+}
+
+// A running agent that dies after sending its sockets: only the
+// successor's copies keep them, so it serves them.
+func TestARunningAgentThatDiesAfterSendingLeavesTheSocketsToTheSuccessor(t *testing.T) {
+	n := newNode(t)
+	cni, err := unixsock.Listen("unix", n.cniPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cni.SetUnlinkOnClose(false)
+	fakeRunningAgent(t, n.handoverPath, func(uc *net.UnixConn) {
+		hf, err := cni.File() // stands in for the hand-over socket too
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer hf.Close()
+		cf, err := cni.File()
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer cf.Close()
+		hfd, _ := rawFD(hf)
+		cfd, _ := rawFD(cf)
+		uc.WriteMsgUnix([]byte("sockets "+HandoverSocket+" cni"), unix.UnixRights(hfd, cfd), nil)
+		cni.Close() // dies: its copies go
+	})
+	files, err := Take(context.Background(), n.handoverPath, 2)
+	if err != nil {
+		t.Fatalf("Take from an agent that died after sending: %v, want its sockets", err)
+	}
+	ln, err := Listener(files["cni"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range files {
+		f.Close()
+	}
+	newAgentSide(t, "new", ln)
+	if got := whoAnswers(t, n.cniPath); got != "new" {
+		t.Fatalf("%q answered, want new", got)
+	}
+}
+
+// openFDs counts this process's open descriptors.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}
+
+// Neither side keeps a descriptor from an exchange that did not happen.
+func TestFailedExchangesLeakNoDescriptors(t *testing.T) {
+	n := newNode(t)
+	old, _ := n.firstAgent(t, "old", 5)
+	before := openFDs(t)
+	var refused *Refused
+	for range 3 {
+		if _, err := Take(context.Background(), n.handoverPath, 4); !errors.As(err, &refused) {
+			t.Fatalf("older rank: %v", err)
+		}
+		uc := rawTake(t, n.handoverPath, "take "+protocol+" 6")
+		uc.Close()
+	}
+	testkit.Eventually(t, 10*time.Second, "the running agent resumed three times", func() bool {
+		_, resumed, _ := old.counts()
+		return resumed == 3
+	})
+	testkit.Eventually(t, 10*time.Second, "as many descriptors open as before", func() bool {
+		return openFDs(t) <= before
+	})
+}
+
+// A successor that gives up while the running agent pauses leaves it
+// serving: the running agent finds it gone and resumes.
+func TestASuccessorThatGivesUpMidPauseLeavesTheAgentServing(t *testing.T) {
+	n := newNode(t)
+	old, oldTaken := n.firstAgent(t, "old", 1)
+	hold := make(chan struct{})
+	old.mu.Lock()
+	old.hold = hold
+	old.mu.Unlock()
+	ctx, cancel := context.WithCancel(context.Background())
+	took := make(chan error, 1)
+	go func() { _, err := Take(ctx, n.handoverPath, 2); took <- err }()
+	testkit.Eventually(t, 10*time.Second, "the running agent pausing", func() bool {
+		paused, _, _ := old.counts()
+		return paused == 1
+	})
+	cancel()
+	if err := <-took; err == nil {
+		t.Fatal("a cancelled Take returned sockets")
+	}
+	close(hold)
+	testkit.Eventually(t, 10*time.Second, "the running agent resumed", func() bool {
+		_, resumed, _ := old.counts()
+		return resumed == 1
+	})
+	select {
+	case <-oldTaken:
+		t.Fatal("Serve reported a hand-over to a successor that gave up")
+	default:
+	}
+	if got := whoAnswers(t, n.cniPath); got != "old" {
+		t.Fatalf("%q answered, want old", got)
 	}
 }
