@@ -42,15 +42,23 @@ func podNetns(t testing.TB, ip string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
+	var holders []string
 	for _, e := range entries {
 		if !strings.HasPrefix(e.Name(), "cni-") {
 			continue
 		}
 		if netnsHolds(filepath.Join("/run/netns", e.Name()), want) {
-			return e.Name()
+			holders = append(holders, e.Name())
 		}
 	}
-	t.Fatalf("no cni- netns under /run/netns holds %s", ip)
+	switch len(holders) {
+	case 0:
+		t.Fatalf("no cni- netns under /run/netns holds %s", ip)
+	case 1:
+		return holders[0]
+	}
+	// Reading whichever came first once made a check judge another pod.
+	t.Fatalf("%d netns under /run/netns hold %s (%s): a stale one cannot be told from the pod's", len(holders), ip, strings.Join(holders, " "))
 	return ""
 }
 

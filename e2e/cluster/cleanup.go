@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -116,6 +117,35 @@ func (n *Node) cleanDevicePluginDir() {
 			os.Remove(filepath.Join(hostDevicePluginDir, e.Name()))
 		}
 	}
+}
+
+// sweepStaleNetns deletes the runtime netns (cni-…) that hold an address
+// of the node's pod range but were left by a node that never stopped (a
+// run killed mid-test): only one node runs on a machine at a time (its
+// bridge name is fixed), so no running pod has such a netns yet, and a
+// stale one holding a reused address made the tests read the wrong pod's
+// rules. It returns the names it deleted.
+func sweepStaleNetns() []string {
+	cidr := netip.MustParsePrefix(PodCIDR)
+	var swept []string
+	for ns := range listNetns() {
+		if !strings.HasPrefix(ns, "cni-") {
+			continue
+		}
+		out, err := exec.Command("ip", "-n", ns, "-o", "addr", "show").Output()
+		if err != nil {
+			continue
+		}
+		for _, f := range strings.Fields(string(out)) {
+			if p, err := netip.ParsePrefix(f); err == nil && cidr.Contains(p.Addr()) {
+				if exec.Command("ip", "netns", "del", ns).Run() == nil {
+					swept = append(swept, ns)
+				}
+				break
+			}
+		}
+	}
+	return swept
 }
 
 // Stop deletes every pod (so the runtime tears down their sandboxes and

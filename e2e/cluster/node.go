@@ -98,6 +98,9 @@ func StartNode(ctx context.Context, cfg NodeConfig) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
+	if swept := sweepStaleNetns(); len(swept) > 0 {
+		fmt.Fprintf(os.Stderr, "cluster: deleted %d netns a killed earlier run left holding addresses of %s: %s\n", len(swept), PodCIDR, strings.Join(swept, " "))
+	}
 	n := &Node{
 		ControlPlane: &ControlPlane{cfg: cfg.Config},
 		cfg:          cfg,
