@@ -153,6 +153,7 @@ type Server struct {
 	sock *unixsock.Socket
 
 	mu        sync.Mutex
+	holding   bool    // a Hold is under way or done: no new connection is kept
 	conns     []*conn // in connect order; the last is the newest
 	nextID    uint64
 	published State
@@ -196,7 +197,45 @@ func (s *Server) Listen() error {
 	return nil
 }
 
-// Serve accepts connections until ctx ends, then closes every connection.
+// Adopt serves ln, the socket handed over by the agent before, instead of
+// binding the path.
+func (s *Server) Adopt(ln *net.UnixListener) error {
+	if err := s.sock.Adopt(ln); err != nil {
+		return fmt.Errorf("zds: %w", err)
+	}
+	return nil
+}
+
+// Hold stops accepting (ztunnel's reconnections wait in the socket's
+// backlog), closes every ztunnel connection (its proxies keep running) and
+// returns a copy of the socket once their handlers have returned: whoever
+// serves the socket next gives ztunnel its snapshot.
+func (s *Server) Hold(ctx context.Context) (*os.File, error) {
+	s.mu.Lock()
+	s.holding = true
+	s.mu.Unlock()
+	f, err := s.sock.Hold(ctx, s.closeAll)
+	if err != nil {
+		s.Release()
+		return nil, fmt.Errorf("zds: %w", err)
+	}
+	return f, nil
+}
+
+// Release serves again after Hold: ztunnel reconnects here.
+func (s *Server) Release() {
+	s.mu.Lock()
+	s.holding = false
+	s.mu.Unlock()
+	s.sock.Release()
+}
+
+// Retire stops serving for good, leaving the socket to the agent it was
+// handed to: Serve returns.
+func (s *Server) Retire() { s.sock.Retire() }
+
+// Serve accepts connections until ctx ends or Retire, then closes every
+// connection.
 // Closing a connection leaves ztunnel's proxies running: it reconnects and
 // receives a fresh snapshot.
 func (s *Server) Serve(ctx context.Context) error {
@@ -374,6 +413,13 @@ func (s *Server) handle(ctx context.Context, uc *net.UnixConn) {
 	}
 
 	s.mu.Lock()
+	if s.holding {
+		// Accepted just before a Hold, after its closeAll: ztunnel
+		// reconnects to whoever serves next.
+		s.mu.Unlock()
+		log.Info("closing a ztunnel connection: the socket is being handed over")
+		return
+	}
 	s.nextID++
 	c := newConn(s.nextID, uc, s.cfg.AckTimeout, log.With("conn", s.nextID))
 	s.conns = append(s.conns, c)

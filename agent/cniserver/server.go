@@ -14,6 +14,7 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -103,7 +104,35 @@ func (s *Server) Listen() error {
 	return nil
 }
 
-// Serve answers requests until ctx ends, then waits for those in progress.
+// Adopt serves ln, the socket handed over by the agent before, instead of
+// binding the path.
+func (s *Server) Adopt(ln *net.UnixListener) error {
+	if err := s.sock.Adopt(ln); err != nil {
+		return fmt.Errorf("cniserver: %w", err)
+	}
+	return nil
+}
+
+// Hold stops answering new requests (the plugin's connections wait in the
+// socket's backlog) and returns a copy of the socket once the requests in
+// progress are answered; see unixsock.Socket.Hold.
+func (s *Server) Hold(ctx context.Context) (*os.File, error) {
+	f, err := s.sock.Hold(ctx, nil)
+	if err != nil {
+		return nil, fmt.Errorf("cniserver: %w", err)
+	}
+	return f, nil
+}
+
+// Release answers again after Hold.
+func (s *Server) Release() { s.sock.Release() }
+
+// Retire stops serving for good, leaving the socket to the agent it was
+// handed to: Serve returns.
+func (s *Server) Retire() { s.sock.Retire() }
+
+// Serve answers requests until ctx ends or Retire, then waits for those in
+// progress.
 func (s *Server) Serve(ctx context.Context) error {
 	if err := s.sock.Serve(ctx, func(uc *net.UnixConn) { s.serveConn(ctx, uc) }); err != nil {
 		return fmt.Errorf("cniserver: %w", err)

@@ -108,6 +108,11 @@ func CheckPeer(uc *net.UnixConn, allowed []uint32) (*unix.Ucred, error) {
 // on the CNI socket, answered once per pod start while the plugin's exec
 // waits, that was a measurable share of the round trip.
 func Serve(ctx context.Context, ln *net.UnixListener, log *slog.Logger, handle func(*net.UnixConn)) error {
+	return serve(ctx, ln, log, handle, nil)
+}
+
+// serve is Serve; with h, the accept loop parks while h holds it.
+func serve(ctx context.Context, ln *net.UnixListener, log *slog.Logger, handle func(*net.UnixConn), h *holder) error {
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
 	defer stop()
 	var wg sync.WaitGroup
@@ -115,12 +120,30 @@ func Serve(ctx context.Context, ln *net.UnixListener, log *slog.Logger, handle f
 	// Unbuffered: a send succeeds only when a handler goroutine is idle.
 	idle := make(chan *net.UnixConn)
 	defer close(idle)
+	if h != nil {
+		inner := handle
+		handle = func(uc *net.UnixConn) { defer h.finished(); inner(uc) }
+	}
 	var pause time.Duration
 	for {
 		uc, err := ln.AcceptUnix()
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil
+			}
+			if h != nil {
+				switch h.state() {
+				case retired:
+					return nil
+				case held:
+					if !h.park(ctx) {
+						return nil
+					}
+					continue
+				}
+				if errors.Is(err, os.ErrDeadlineExceeded) {
+					continue // a Hold released before the loop saw it
+				}
 			}
 			if errors.Is(err, net.ErrClosed) {
 				return fmt.Errorf("listener closed: %w", err)
@@ -131,6 +154,11 @@ func Serve(ctx context.Context, ln *net.UnixListener, log *slog.Logger, handle f
 			continue
 		}
 		pause = 0
+		if h != nil {
+			// Counted here, before the loop accepts again, so that once
+			// the loop parks the count only falls.
+			h.started()
+		}
 		select {
 		case idle <- uc:
 		default:
@@ -173,6 +201,82 @@ type Socket struct {
 
 	mu sync.Mutex
 	ln *net.UnixListener
+
+	h holder
+}
+
+// holder parks a Socket's accept loop for Hold without closing the socket,
+// and counts the connections whose handlers have not returned.
+type holder struct {
+	mu       sync.Mutex
+	mode     holdMode
+	parked   chan struct{} // closed by the loop when it parks for this hold
+	decision chan bool     // this hold's end: true serves again, false retires
+	inflight int
+	drained  chan struct{} // closed when inflight falls to 0, for a waiting Hold
+}
+
+type holdMode int
+
+const (
+	serving holdMode = iota
+	held
+	retired
+)
+
+func (h *holder) state() holdMode {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.mode
+}
+
+// park is the accept loop's wait while held: true to accept again, false
+// when retired or ctx ended.
+func (h *holder) park(ctx context.Context) bool {
+	h.mu.Lock()
+	parked, decision := h.parked, h.decision
+	h.parked = nil
+	h.mu.Unlock()
+	if parked != nil {
+		close(parked)
+	}
+	select {
+	case again := <-decision:
+		return again
+	case <-ctx.Done():
+		return false
+	}
+}
+
+func (h *holder) started() {
+	h.mu.Lock()
+	h.inflight++
+	h.mu.Unlock()
+}
+
+func (h *holder) finished() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.inflight--
+	if h.inflight == 0 && h.drained != nil {
+		close(h.drained)
+		h.drained = nil
+	}
+}
+
+// untilDrained is closed once no handler is in flight.
+func (h *holder) untilDrained() <-chan struct{} {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.inflight == 0 {
+		done := make(chan struct{})
+		close(done)
+		return done
+	}
+	if h.drained == nil {
+		h.drained = make(chan struct{})
+	}
+	return h.drained
 }
 
 // NewSocket describes a socket; nothing is opened yet.
@@ -201,11 +305,118 @@ func (s *Socket) listener() (*net.UnixListener, error) {
 	return ln, nil
 }
 
-// Serve opens the socket if needed, then serves it (see Serve).
+// Adopt makes s serve ln, a socket its path's previous server handed
+// over, instead of binding the path afresh.
+func (s *Socket) Adopt(ln *net.UnixListener) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ln != nil {
+		return fmt.Errorf("%s: already listening", s.path)
+	}
+	s.ln = ln
+	s.log.Info(s.listening, "socket", s.path, "handedOver", true)
+	return nil
+}
+
+// Serve opens the socket if needed, then serves it (see Serve) until ctx
+// ends or Retire.
 func (s *Socket) Serve(ctx context.Context, handle func(*net.UnixConn)) error {
 	ln, err := s.listener()
 	if err != nil {
 		return err
 	}
-	return Serve(ctx, ln, s.log, handle)
+	return serve(ctx, ln, s.log, handle, &s.h)
+}
+
+// Hold stops s from accepting (new connections wait in the socket's
+// backlog) and, once every connection accepted before has been handled,
+// returns a copy of the listening socket to hand over. end, if not nil, is
+// called once nothing new is accepted, to end long-lived connections. If
+// ctx ends first, s accepts again and Hold returns ctx's error. Release or
+// Retire ends a Hold that succeeded.
+func (s *Socket) Hold(ctx context.Context, end func()) (*os.File, error) {
+	s.mu.Lock()
+	ln := s.ln
+	s.mu.Unlock()
+	if ln == nil {
+		return nil, fmt.Errorf("%s: not listening", s.path)
+	}
+	h := &s.h
+	h.mu.Lock()
+	if h.mode != serving {
+		h.mu.Unlock()
+		return nil, fmt.Errorf("%s: already held or retired", s.path)
+	}
+	h.mode = held
+	parked := make(chan struct{})
+	h.parked, h.decision = parked, make(chan bool, 1)
+	h.mu.Unlock()
+	// A deadline in the past wakes the accept loop without closing the
+	// socket.
+	if err := ln.SetDeadline(time.Now()); err != nil {
+		s.Release()
+		return nil, fmt.Errorf("%s: stop accepting: %w", s.path, err)
+	}
+	select {
+	case <-parked:
+	case <-ctx.Done():
+		s.Release()
+		return nil, fmt.Errorf("%s: stop accepting: %w", s.path, ctx.Err())
+	}
+	if end != nil {
+		end()
+	}
+	select {
+	case <-h.untilDrained():
+	case <-ctx.Done():
+		s.Release()
+		return nil, fmt.Errorf("%s: finish the connections in flight: %w", s.path, ctx.Err())
+	}
+	f, err := ln.File()
+	if err != nil {
+		s.Release()
+		return nil, fmt.Errorf("%s: copy the socket: %w", s.path, err)
+	}
+	return f, nil
+}
+
+// Release ends a Hold: s accepts again, starting with what waited in the
+// backlog.
+func (s *Socket) Release() {
+	s.mu.Lock()
+	ln := s.ln
+	s.mu.Unlock()
+	h := &s.h
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.mode != held {
+		return
+	}
+	h.mode = serving
+	ln.SetDeadline(time.Time{})
+	h.decision <- true
+}
+
+// Retire ends serving for good: the listening socket closes in this
+// process and its path stays, for the process the socket was handed to.
+// Serve returns nil once the handlers in flight have returned.
+func (s *Socket) Retire() {
+	s.mu.Lock()
+	ln := s.ln
+	s.mu.Unlock()
+	h := &s.h
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.mode == retired {
+		return
+	}
+	wasHeld := h.mode == held
+	h.mode = retired
+	if ln != nil {
+		ln.SetUnlinkOnClose(false)
+		ln.Close()
+	}
+	if wasHeld {
+		h.decision <- false
+	}
 }
