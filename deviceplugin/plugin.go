@@ -150,6 +150,9 @@ type Config struct {
 	Logger       *slog.Logger
 }
 
+// MaxRegisterWait bounds TakeOver's wait.
+const MaxRegisterWait = time.Minute
+
 // Plugin is the device plugin.
 type Plugin struct {
 	pluginapi.UnimplementedDevicePluginServer
@@ -164,7 +167,18 @@ type Plugin struct {
 	// devices is what every ListAndWatch stream sends: the latest list,
 	// never blocking the readiness follower on a slow kubelet.
 	devices *latest.Value[[]*pluginapi.Device]
+	// registerWait is TakeOver's.
+	registerWait time.Duration
 }
+
+// TakeOver is called before Run when the agent took the node over from a
+// running agent whose plugin still serves the resource, Healthy: the
+// kubelet takes the devices' health from whichever plugin reported last,
+// so this one registers only once the node is ready here too, or after
+// wait (at most MaxRegisterWait), when it reports what it sees. Registering
+// earlier would turn the devices Unhealthy for the moments this agent
+// needs to become ready, and the kubelet would refuse the pods bound then.
+func (p *Plugin) TakeOver(wait time.Duration) { p.registerWait = min(wait, MaxRegisterWait) }
 
 // New validates cfg.
 func New(cfg Config) (*Plugin, error) {
@@ -254,6 +268,9 @@ func (p *Plugin) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		return fmt.Errorf("deviceplugin: watch %s: %w", p.cfg.PluginDir, err)
 	}
 
+	if p.registerWait > 0 {
+		p.waitHealthy(ctx, p.registerWait)
+	}
 	registrations := 0
 	for {
 		srv, err := p.serve()
@@ -268,7 +285,11 @@ func (p *Plugin) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		// kubelet.sock), then start over.
 		reason := p.waitForRestart(ctx, w, registered, inode(p.kubeletSocket()))
 		closed := false
-		if ctx.Err() != nil && registered {
+		handedOver := errors.Is(context.Cause(ctx), readiness.ErrHandedOver)
+		if handedOver {
+			p.log.Info("stopping without closing the gate: the successor on this node serves the resource")
+		}
+		if ctx.Err() != nil && registered && !handedOver {
 			// The kubelet turns every device Unhealthy the moment the
 			// stream ends: close first, as for a readiness dip, once
 			// the follower (and a dip's close) has stopped.
@@ -289,6 +310,26 @@ func (p *Plugin) Run(ctx context.Context, ready *readiness.Aggregate) error {
 			return nil
 		}
 		p.log.Info("re-registering with the kubelet", "because", reason)
+	}
+}
+
+// waitHealthy returns once the devices are Healthy, after wait, or when
+// ctx ends.
+func (p *Plugin) waitHealthy(ctx context.Context, wait time.Duration) {
+	changes, cancel := p.devices.Subscribe()
+	defer cancel()
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	p.log.Info("registering once the node is ready here: the agent before still serves the resource", "atMost", wait)
+	for !p.isHealthy() {
+		select {
+		case <-ctx.Done():
+			return
+		case <-timer.C:
+			p.log.Warn("the node is not ready after the wait; registering anyway, reporting it", "waited", wait)
+			return
+		case <-changes:
+		}
 	}
 }
 

@@ -505,3 +505,99 @@ func TestStoppingClosesBeforeTheStreamEnds(t *testing.T) {
 		t.Fatal("KeepClosed still runs after Run returned")
 	}
 }
+
+// Handed over, the plugin stops without closing: no Closer call, and the
+// last devices the kubelet got from it are Healthy (the successor's plugin
+// serves the resource).
+func TestHandedOverStopsWithoutClosing(t *testing.T) {
+	dir := t.TempDir()
+	k := startKubelet(t, dir)
+	ready := newReady()
+	c := newCloser(k)
+	p, err := deviceplugin.New(deviceplugin.Config{PluginDir: dir, Devices: 8, Closer: c, CloseTimeout: deviceplugin.MaxCloseTimeout})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancelCause(context.Background())
+	defer cancel(nil)
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx, ready) }()
+	ready.Set("test", true, "")
+	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
+	stopped := time.Now()
+	cancel(readiness.ErrHandedOver)
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return after the hand-over")
+	}
+	select {
+	case <-c.calls:
+		t.Fatal("a plugin handed over asked its Closer to close the Node")
+	default:
+	}
+	if u, ok := k.FirstSince(res, stopped, 0); ok {
+		t.Fatalf("a plugin handed over sent Unhealthy devices at %v", u.At)
+	}
+	if _, err := os.Stat(p.SocketPath()); err == nil {
+		t.Fatal("the plugin's socket is still there after Run returned")
+	}
+}
+
+// After a take-over the plugin registers only once the node is ready
+// here, so its first devices are Healthy; never ready, it registers
+// after the wait and says so.
+func TestTakeOverRegistersOnceReady(t *testing.T) {
+	dir := t.TempDir()
+	k := startKubelet(t, dir)
+	ready := newReady()
+	p, err := deviceplugin.New(deviceplugin.Config{PluginDir: dir, Devices: 8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.TakeOver(time.Minute)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx, ready) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	start := time.Now()
+	time.Sleep(300 * time.Millisecond) // the negative: no registration while not ready
+	if n := k.Registrations(); n != 0 {
+		t.Fatalf("registered %d times before the node was ready", n)
+	}
+	ready.Set("test", true, "")
+	eventually(t, "registered and Healthy", func() bool { return k.Allocatable(res) == 8 })
+	if u, ok := k.FirstSince(res, start, 0); ok {
+		t.Fatalf("the plugin sent Unhealthy devices at %v after a take-over", u.At)
+	}
+
+	dir2 := t.TempDir()
+	k2 := startKubelet(t, dir2)
+	never := newReady()
+	p2, err := deviceplugin.New(deviceplugin.Config{PluginDir: dir2, Devices: 8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p2.TakeOver(200 * time.Millisecond)
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	done2 := make(chan error, 1)
+	go func() { done2 <- p2.Run(ctx2, never) }()
+	t.Cleanup(func() {
+		cancel2()
+		if err := <-done2; err != nil {
+			t.Error(err)
+		}
+	})
+	eventually(t, "registered after the wait", func() bool { return k2.Registrations() == 1 && k2.Capacity(res) == 8 })
+	if n := k2.Allocatable(res); n != 0 {
+		t.Fatalf("a plugin never ready reported %d Healthy devices", n)
+	}
+}

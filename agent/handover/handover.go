@@ -5,8 +5,8 @@
 // switch wait in the sockets' backlogs instead of being refused, and no
 // pod start fails for want of an agent.
 //
-// It is the first step of the surge rollout (issue 40); the agent does not
-// use it yet.
+// The agent takes over at start (agent.Config.HandoverSocket); the chart
+// rolls the agent with a surge where the gates allow it.
 //
 // # The exchange
 //
@@ -136,7 +136,7 @@ func Serve(ctx context.Context, ln *net.UnixListener, log *slog.Logger, rank int
 		pause = 0
 		taken, err := give(ctx, uc, ln, rank, src)
 		uc.Close()
-		if err != nil {
+		if err != nil && !errors.Is(err, errProbe) {
 			log.Warn("hand-over not done; serving on", "err", err)
 		}
 		if taken {
@@ -158,6 +158,9 @@ func give(ctx context.Context, uc *net.UnixConn, ln *net.UnixListener, rank int6
 	}
 	uc.SetDeadline(time.Now().Add(5 * time.Second))
 	theirs, err := readTake(uc)
+	if errors.Is(err, io.EOF) {
+		return false, errProbe
+	}
 	if err != nil {
 		return false, fmt.Errorf("successor pid %d: %w", cred.Pid, err)
 	}
@@ -242,6 +245,22 @@ func readTake(uc *net.UnixConn) (int64, error) {
 		return 0, fmt.Errorf("request %q: rank: %w", buf[:n], err)
 	}
 	return rank, nil
+}
+
+// errProbe is a connection closed without a request: Serving's.
+var errProbe = errors.New("handover: probed")
+
+// Serving reports whether an agent serves the hand-over socket at path,
+// without asking it for anything: a starting agent that finds one waits
+// until it is ready to serve before it takes over, and binds the sockets
+// at once otherwise.
+func Serving(path string) bool {
+	c, err := net.DialTimeout("unixpacket", path, time.Second)
+	if err != nil {
+		return false
+	}
+	c.Close()
+	return true
 }
 
 // Take asks the agent serving the hand-over socket at path for its

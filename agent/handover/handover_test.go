@@ -609,3 +609,27 @@ func TestASuccessorThatGivesUpMidPauseLeavesTheAgentServing(t *testing.T) {
 		t.Fatalf("%q answered, want old", got)
 	}
 }
+
+// Serving tells a served hand-over socket from none and from a dead
+// agent's, and its probe is no request: the agent neither pauses nor
+// refuses, and a Take after it works.
+func TestServingProbesWithoutAsking(t *testing.T) {
+	n := newNode(t)
+	if Serving(n.handoverPath) {
+		t.Fatal("Serving with no socket")
+	}
+	old, _ := n.firstAgent(t, "old", 1)
+	if !Serving(n.handoverPath) {
+		t.Fatal("not Serving while an agent serves")
+	}
+	if paused, resumed, retired := old.counts(); paused != 0 || resumed != 0 || retired {
+		t.Fatalf("a probe made the agent pause %d, resume %d, retire %v", paused, resumed, retired)
+	}
+	files, err := Take(context.Background(), n.handoverPath, 2)
+	if err != nil {
+		t.Fatalf("Take after a probe: %v", err)
+	}
+	for _, f := range files {
+		f.Close()
+	}
+}
