@@ -5,7 +5,8 @@
 // starts them in one errgroup so one failure stops them all, and at
 // shutdown either leaves the node as it is (restart, upgrade) or removes
 // inpod (removal.go). The logic lives in the sub-packages; this package
-// only connects them.
+// only connects them. A starting agent takes the node over from one still
+// serving it (handover.go).
 package agent
 
 import (
@@ -14,8 +15,12 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"net"
 	"os"
 	"path/filepath"
+	"slices"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sync/errgroup"
@@ -37,6 +42,7 @@ import (
 	"github.com/inpod-dev/inpod/agent/cniserver"
 	"github.com/inpod-dev/inpod/agent/enroll"
 	"github.com/inpod-dev/inpod/agent/enrolledrecord"
+	"github.com/inpod-dev/inpod/agent/handover"
 	"github.com/inpod-dev/inpod/agent/observe"
 	"github.com/inpod-dev/inpod/agent/podcondition"
 	"github.com/inpod-dev/inpod/agent/podnetns"
@@ -45,6 +51,7 @@ import (
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/enrollment"
+	"github.com/inpod-dev/inpod/internal/unixsock"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/nodecondition"
 	"github.com/inpod-dev/inpod/passlist"
@@ -88,6 +95,13 @@ type Config struct {
 	// HostNetNS is the node netns (default: the agent's own; it runs with
 	// hostNetwork).
 	HostNetNS string
+
+	// HandoverSocket is where the agent serving this node passes its
+	// sockets to its successor (package handover): a starting agent that
+	// finds one served takes the node over once synced instead of waiting
+	// for the other to exit. Empty: no hand-over; the agent binds its
+	// sockets and fails while another serves them.
+	HandoverSocket string
 
 	HealthAddr  string
 	MetricsAddr string
@@ -168,6 +182,14 @@ type Agent struct {
 	// closer stops the scheduler before the device-plugin gate's devices
 	// turn Unhealthy; nil without that gate.
 	closer *schedulingCloser
+
+	// started ranks a hand-over when the agent has no pod.
+	started time.Time
+	// frozen holds ztunnel's readiness as it was while a hand-over is
+	// under way; retired is set once this agent handed the node over;
+	// tookOver once it took the node from another.
+	frozen, retired atomic.Bool
+	tookOver        bool
 }
 
 // DefaultKubeAPIQPS and DefaultKubeAPIBurst are the agent's API rate
@@ -235,13 +257,19 @@ func New(cfg Config) (*Agent, error) {
 	if log == nil {
 		log = slog.Default()
 	}
-	a := &Agent{cfg: cfg, log: log, Metrics: observe.NewMetrics(),
-		Ready: readiness.New(log, readiness.CNIInstalled, readiness.ZtunnelConnected, readiness.PodsSynced)}
-	a.Ready.OnChange(a.Metrics.Readiness)
 	gates, err := gateList(cfg.Gate)
 	if err != nil {
 		return nil, err
 	}
+	if cfg.HandoverSocket != "" && slices.Contains(gates, "dra") {
+		// Both agents' DRA plugins would register the same driver on the
+		// same sockets.
+		log.Warn("no hand-over between agents with the dra gate: the agent binds its sockets and waits for the one serving them to exit", "handoverSocket", cfg.HandoverSocket)
+		cfg.HandoverSocket = ""
+	}
+	a := &Agent{cfg: cfg, log: log, Metrics: observe.NewMetrics(), started: time.Now(),
+		Ready: readiness.New(log, readiness.CNIInstalled, readiness.ZtunnelConnected, readiness.PodsSynced)}
+	a.Ready.OnChange(a.Metrics.Readiness)
 	if a.restCfg, err = loadRestConfig(cfg.Kubeconfig); err != nil {
 		return nil, err
 	}
@@ -274,6 +302,11 @@ func (a *Agent) Run(ctx context.Context) error {
 	defer p.close()
 	if err := a.start(ctx, p); err != nil {
 		return err
+	}
+	if a.retired.Load() {
+		// The successor serves the node and writes what this agent held.
+		a.log.Info("agent stopping after it handed the node over")
+		return nil
 	}
 	if p.uninstall == nil || !p.uninstall.uninstalling(context.WithoutCancel(ctx)) {
 		// The writer stopped with the rest; what it still held (a burst's
@@ -338,6 +371,10 @@ type pieces struct {
 	verifier *verifier
 	presence *ztunnelPresence
 
+	// handedOver is closed once the agent handed the node over.
+	handedOver     context.Context
+	markHandedOver context.CancelFunc
+
 	// stopZDS ends the ZDS server, which outlives the other pieces;
 	// zdsDone is closed once it has stopped (nil: never started).
 	stopZDS context.CancelFunc
@@ -352,6 +389,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		passListPath:  filepath.Join(filepath.Dir(cfg.CNISocket), passListDir),
 		apiAccessPath: filepath.Join(cfg.CNIConfDir, apiaccess.FileName),
 	}
+	p.handedOver, p.markHandedOver = context.WithCancel(context.Background())
 	defer func() {
 		if err != nil {
 			p.close()
@@ -534,17 +572,48 @@ func (a *Agent) start(parent context.Context, p *pieces) error {
 	ctx, fail := context.WithCancelCause(parent)
 	defer fail(nil)
 	g, ctx := errgroup.WithContext(ctx)
-	// run runs one piece until ctx ends; its error stops the agent, unless
-	// the agent was stopping anyway.
+	// A hand-over stops the pieces (retire) and leaves the agent until it
+	// is stopped: the hand-over server and the device plugin run on.
+	piecesCtx, stopPieces := context.WithCancelCause(ctx)
+	defer stopPieces(nil)
+	var pieces sync.WaitGroup
+	// run runs one piece until the agent stops or hands over; its error
+	// stops the agent, unless the agent was stopping anyway.
 	run := func(name string, fn func(ctx context.Context) error) {
+		pieces.Add(1)
 		g.Go(func() error {
-			if err := fn(ctx); err != nil && ctx.Err() == nil {
+			defer pieces.Done()
+			if err := fn(piecesCtx); err != nil && piecesCtx.Err() == nil {
 				return fmt.Errorf("%s: %w", name, err)
 			}
 			return nil
 		})
 	}
-	if err := a.startPieces(ctx, p, run, fail); err != nil {
+	// runToEnd runs one piece until the agent stops; its context's cause
+	// is readiness.ErrHandedOver if the agent handed over.
+	runToEnd := func(name string, fn func(ctx context.Context) error) {
+		g.Go(func() error {
+			pctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
+			stop := context.AfterFunc(ctx, func() { cancel(a.stopCause(ctx)) })
+			defer stop()
+			defer cancel(nil)
+			if err := fn(pctx); err != nil && pctx.Err() == nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
+			return nil
+		})
+	}
+	retire := func() {
+		stopPieces(readiness.ErrHandedOver)
+		done := make(chan struct{})
+		go func() { pieces.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(stopTimeout):
+			a.log.Warn("some pieces still run after the hand-over", "waited", stopTimeout)
+		}
+	}
+	if err := a.startPieces(ctx, p, run, runToEnd, retire, fail); err != nil {
 		fail(err)
 	}
 
@@ -569,26 +638,41 @@ func (a *Agent) start(parent context.Context, p *pieces) error {
 	return cause
 }
 
+// stopCause is why the pieces that run to the agent's end stop.
+func (a *Agent) stopCause(ctx context.Context) error {
+	if a.retired.Load() {
+		return readiness.ErrHandedOver
+	}
+	return context.Cause(ctx)
+}
+
 // startPieces starts each piece, in the order that keeps the promises: the
 // CNI server answers (failing closed) from the start; ztunnel is served
 // only once the watches are synced and every running enrolled pod
-// restored, so its first snapshot is complete.
-func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, func(context.Context) error), fail context.CancelCauseFunc) error {
+// restored, so its first snapshot is complete. When another agent serves
+// the node (a rollout's surge), this one syncs first while the other
+// serves on, then takes the sockets over (claim), and serves the CNI
+// plugin once restored: the requests of the switch wait instead of
+// failing.
+func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(string, func(context.Context) error), retire func(), fail context.CancelCauseFunc) error {
 	cfg := a.cfg
 	run("annotations", func(ctx context.Context) error { p.annotations.Run(ctx); return nil })
 	run("pod conditions", func(ctx context.Context) error { p.conditions.Run(ctx); return nil })
-	if err := p.cni.Listen(); err != nil {
-		return err
-	}
-	run("cni event server", p.cni.Serve)
-	if p.installer != nil {
-		if p.cred != nil {
-			run("plugin credential", func(ctx context.Context) error { p.cred.run(ctx); return nil })
+	claiming := false
+	if cfg.HandoverSocket != "" && handover.Serving(cfg.HandoverSocket) {
+		claiming = true
+		a.log.Info("another agent serves this node: taking over once the watches are synced", "handoverSocket", cfg.HandoverSocket)
+	} else if err := a.bindCNI(p); err != nil {
+		if cfg.HandoverSocket == "" || !errors.Is(err, unixsock.ErrInUse) {
+			return err
 		}
-		run("cni installer", p.installer.Run)
-		run("node label", func(ctx context.Context) error { p.nodeMark.run(ctx); return nil })
-	} else {
-		a.Ready.Set(readiness.CNIInstalled, true, "")
+		// Starting too, or without hand-overs: see claim.
+		claiming = true
+		a.log.Info("another agent serves this node's CNI socket: taking over once the watches are synced", "socket", cfg.CNISocket)
+	}
+	if !claiming {
+		run("cni event server", p.cni.Serve)
+		a.startNodeWriters(p, run)
 	}
 
 	p.podInf.Start(ctx.Done())
@@ -605,14 +689,37 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, fun
 	if !cache.WaitForCacheSync(ctx.Done(), p.podInf.Core().V1().Pods().Informer().HasSynced, p.nsInf.ForResource(namespacesResource).Informer().HasSynced) {
 		return ctx.Err()
 	}
+	rank := a.handoverRank(p)
+	var handoverLn *net.UnixListener
+	if claiming {
+		var err error
+		if handoverLn, err = a.claim(ctx, p, rank); err != nil {
+			return err
+		}
+		a.startNodeWriters(p, run)
+	}
 	a.restore(ctx, p.pods, p.probes)
+	if claiming {
+		run("cni event server", func(ctx context.Context) error {
+			if a.tookOver {
+				// ztunnel reconnects to this agent within moments: an ADD
+				// answered before would fail for want of it.
+				a.awaitZtunnel(ctx, p, handoverZtunnelWait)
+			}
+			return p.cni.Serve(ctx)
+		})
+	}
 	if p.uninstall != nil {
 		p.uninstall.checkSelf()
 	}
 	a.Ready.Set(readiness.PodsSynced, true, "")
 	run("pass list", p.passList.Run)
-	context.AfterFunc(ctx, p.queue.ShutDown)
-	run("reconciler", func(ctx context.Context) error { a.reconcileLoop(ctx, p.queue, p.pods); return nil })
+	run("reconciler", func(ctx context.Context) error {
+		// The loop waits on the queue: its end is the queue's.
+		context.AfterFunc(ctx, p.queue.ShutDown)
+		a.reconcileLoop(ctx, p.queue, p.pods)
+		return nil
+	})
 
 	if err := p.zds.Listen(); err != nil {
 		return err
@@ -639,7 +746,33 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, fun
 	})
 
 	for _, gate := range a.gates {
-		run("gate "+gate.Name(), func(ctx context.Context) error { return gate.Run(ctx, a.Ready) })
+		dp, isDevicePlugin := gate.(*deviceplugin.Plugin)
+		if !isDevicePlugin || cfg.HandoverSocket == "" {
+			run("gate "+gate.Name(), func(ctx context.Context) error { return gate.Run(ctx, a.Ready) })
+			continue
+		}
+		if a.tookOver {
+			dp.TakeOver(handoverRegisterWait)
+		}
+		// Registered until the successor's plugin is (see handover.go).
+		runToEnd("gate "+gate.Name(), func(ctx context.Context) error {
+			ctx, cancel := context.WithCancelCause(ctx)
+			defer cancel(nil)
+			stop := context.AfterFunc(p.handedOver, func() {
+				select {
+				case <-ctx.Done():
+				case <-time.After(handoverLinger):
+					cancel(readiness.ErrHandedOver)
+				}
+			})
+			defer stop()
+			return gate.Run(ctx, a.Ready)
+		})
+	}
+	if cfg.HandoverSocket != "" {
+		runToEnd("hand-over", func(ctx context.Context) error {
+			return a.serveHandover(ctx, p, handoverLn, rank, func() { retire(); p.markHandedOver() })
+		})
 	}
 	if cfg.ReleaseStartupMemory {
 		run("start-up memory release", func(ctx context.Context) error { a.releaseStartupMemory(ctx, p.activity); return nil })
@@ -650,9 +783,28 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run func(string, fun
 	return nil
 }
 
+// startNodeWriters starts what keeps inpod in place on the node: the
+// plugin's credential, the CNI installer and the Node's label.
+func (a *Agent) startNodeWriters(p *pieces, run func(string, func(context.Context) error)) {
+	if p.installer == nil {
+		a.Ready.Set(readiness.CNIInstalled, true, "")
+		return
+	}
+	if p.cred != nil {
+		run("plugin credential", func(ctx context.Context) error { p.cred.run(ctx); return nil })
+	}
+	run("cni installer", p.installer.Run)
+	run("node label", func(ctx context.Context) error { p.nodeMark.run(ctx); return nil })
+}
+
 // followZtunnel turns the ZDS server's state into the readiness condition.
 func (a *Agent) followZtunnel(ctx context.Context, p *pieces) {
 	p.zds.Follow(ctx, func(st zds.State) {
+		if a.frozen.Load() {
+			// A hand-over closed ztunnel's connections: the successor
+			// serves it next, or Resume publishes the state.
+			return
+		}
 		a.Metrics.ZtunnelConnections(st.Connections)
 		a.Ready.Set(readiness.ZtunnelConnected, st.Ready, st.NotReadyReason())
 		if p.presence.observe(st) {

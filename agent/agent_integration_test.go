@@ -252,11 +252,16 @@ func (w *world) cni(op string, pod *corev1.Pod, sandbox *netnstest.NetNS, contai
 	if err != nil {
 		w.t.Fatal(err)
 	}
+	return w.runChain(list, op, pod, sandbox, containerID)
+}
+
+// runChain runs ADD or DEL of list (off the test's goroutine too).
+func (w *world) runChain(list *libcni.NetworkConfigList, op string, pod *corev1.Pod, sandbox *netnstest.NetNS, containerID string) (*types100.Result, error) {
 	cni := libcni.NewCNIConfigWithCacheDir([]string{w.binDir}, filepath.Join(w.confDir, "..", "cni-cache"), nil)
 	rt := &libcni.RuntimeConf{ContainerID: containerID, NetNS: sandbox.Path, IfName: "eth0",
 		Args: [][2]string{{"IgnoreUnknown", "1"}, {"K8S_POD_NAMESPACE", pod.Namespace}, {"K8S_POD_NAME", pod.Name}, {"K8S_POD_UID", string(pod.UID)}}}
 	var res *types100.Result
-	err = netns.Do(w.nodeNS, func() error {
+	err := netns.Do(w.nodeNS, func() error {
 		if op == "DEL" {
 			return cni.DelNetworkList(context.Background(), list, rt)
 		}
@@ -468,6 +473,16 @@ func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
 	})
 }
 
+// buildAgent builds cmd/inpod-agent for the test.
+func buildAgent(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "inpod-agent")
+	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/inpod-agent").CombinedOutput(); err != nil {
+		t.Fatalf("build inpod-agent: %v: %s", err, out)
+	}
+	return bin
+}
+
 // agentProcess runs cmd/inpod-agent as its own process, so it can be killed.
 type agentProcess struct {
 	cmd     *exec.Cmd
@@ -477,6 +492,27 @@ type agentProcess struct {
 
 func (w *world) startAgentProcess(bin string) *agentProcess {
 	w.t.Helper()
+	p := w.startAgentProcessNoWait(bin)
+	// A minute, not w.eventually's 20 s: a restart with hundreds of
+	// running pods restores them all before it is ready (the enrollment
+	// benchmark times that).
+	testkit.Eventually(w.t, time.Minute, "the agent process ready", func() bool { return ready(p) })
+	return p
+}
+
+// ready reports whether the agent process answers /readyz with 200.
+func ready(p *agentProcess) bool {
+	resp, err := http.Get("http://" + p.health + "/readyz")
+	if err != nil {
+		return false
+	}
+	resp.Body.Close()
+	return resp.StatusCode == http.StatusOK
+}
+
+// startAgentProcessNoWait starts the agent process without waiting for it
+// to be ready (safe off the test's goroutine).
+func (w *world) startAgentProcessNoWait(bin string) *agentProcess {
 	health, metrics := freeAddr(w.t), freeAddr(w.t)
 	c := w.cfg
 	cmd := exec.Command(bin,
@@ -490,22 +526,11 @@ func (w *world) startAgentProcess(bin string) *agentProcess {
 	cmd.Args = append(cmd.Args, w.agentArgs...)
 	cmd.Stdout, cmd.Stderr = testWriter{w.t}, testWriter{w.t}
 	if err := cmd.Start(); err != nil {
-		w.t.Fatal(err)
+		w.t.Error(err)
+		return &agentProcess{cmd: cmd, health: health, metrics: metrics}
 	}
-	p := &agentProcess{cmd: cmd, health: health, metrics: metrics}
 	w.t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	// A minute, not w.eventually's 20 s: a restart with hundreds of
-	// running pods restores them all before it is ready (the enrollment
-	// benchmark times that).
-	testkit.Eventually(w.t, time.Minute, "the agent process ready", func() bool {
-		resp, err := http.Get("http://" + health + "/readyz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusOK
-	})
-	return p
+	return &agentProcess{cmd: cmd, health: health, metrics: metrics}
 }
 
 func freeAddr(t testing.TB) string {
@@ -519,10 +544,7 @@ func freeAddr(t testing.TB) string {
 
 func TestIntegrationAgentKilledAndRestartedLeavesRulesAndResendsSnapshot(t *testing.T) {
 	w := newWorld(t)
-	bin := filepath.Join(t.TempDir(), "inpod-agent")
-	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/inpod-agent").CombinedOutput(); err != nil {
-		t.Fatalf("build inpod-agent: %v: %s", err, out)
-	}
+	bin := buildAgent(t)
 	// As shipped, the agent gives back its code's pages once ready and
 	// quiet (here after 100 ms, not 30 s): what follows (an enrollment, a
 	// SIGKILL and restore) runs on code read back from the binary.

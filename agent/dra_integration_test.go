@@ -4,8 +4,6 @@ package agent_test
 
 import (
 	"context"
-	"os/exec"
-	"path/filepath"
 	"syscall"
 	"testing"
 	"time"
@@ -94,10 +92,7 @@ func TestIntegrationDRAAgentKilledWhileReadyAndRestarted(t *testing.T) {
 	if _, err := w.client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	bin := filepath.Join(t.TempDir(), "inpod-agent")
-	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/inpod-agent").CombinedOutput(); err != nil {
-		t.Fatalf("build inpod-agent: %v: %s", err, out)
-	}
+	bin := buildAgent(t)
 	w.cfg.Gate = "dra"
 	// A ztunnel that reconnects after 2 s, as a real one backs off: the
 	// restarted agent is not ready for its first moments.

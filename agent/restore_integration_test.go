@@ -6,8 +6,6 @@ import (
 	"context"
 	"net/http"
 	"net/netip"
-	"os/exec"
-	"path/filepath"
 	"slices"
 	"strings"
 	"syscall"
@@ -29,10 +27,7 @@ func newRestoreWorld(t *testing.T) (*world, string) {
 		Labels: map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	bin := filepath.Join(t.TempDir(), "inpod-agent")
-	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/inpod-agent").CombinedOutput(); err != nil {
-		t.Fatalf("build inpod-agent: %v: %s", err, out)
-	}
+	bin := buildAgent(t)
 	return w, bin
 }
 

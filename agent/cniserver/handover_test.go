@@ -98,4 +98,6 @@ func TestHoldFinishesInFlightAndTheSuccessorAnswersWhatWaited(t *testing.T) {
 
 type outcomeError struct{ resp *cnievent.Response }
 
-func (e *outcomeError) Error() string { return "outcome " + string(e.resp.Outcome) + ": " + e.resp.Message }
+func (e *outcomeError) Error() string {
+	return "outcome " + string(e.resp.Outcome) + ": " + e.resp.Message
+}

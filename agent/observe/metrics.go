@@ -33,6 +33,7 @@ type Metrics struct {
 	ready             prometheus.Gauge
 	readyTransitions  prometheus.Counter
 	cniRepairs        prometheus.Counter
+	handovers         *prometheus.CounterVec
 	gateRegistrations *prometheus.CounterVec
 	gateHealthFlips   *prometheus.CounterVec
 	gateCloses        *prometheus.HistogramVec
@@ -84,6 +85,8 @@ func NewMetrics() *Metrics {
 			Help: "Changes of inpod_node_ready."}),
 		cniRepairs: prometheus.NewCounter(prometheus.CounterOpts{Name: "inpod_cni_repairs_total",
 			Help: "Times the CNI configuration or binary had to be put back."}),
+		handovers: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_agent_handovers_total",
+			Help: "Hand-overs of the node's sockets between two agents on it, by this agent's role: taken (at its start, from the agent serving the node), given (to its successor; it then stops serving metrics)."}, []string{"role"}),
 		gateRegistrations: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_deviceplugin_registrations_total",
 			Help: "Registrations with the kubelet (kind: first, again)."}, []string{"kind"}),
 		gateHealthFlips: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "inpod_deviceplugin_health_changes_total",
@@ -121,7 +124,7 @@ func NewMetrics() *Metrics {
 	r.MustRegister(m.verifications, m.verifyLatency, m.repairs, m.unproven, m.podConditions)
 	r.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "inpod_enrolled_pods",
 		Help: "Pods the agent holds as enrolled (or held for a restore) now; a soak compares it with the pods that exist."}, m.trackedPods))
-	r.MustRegister(m.startupReleased, m.slicePublishes, m.sliceTaintChanges, m.sliceLatency, m.prepareRefusals, m.gateRegistrations, m.gateHealthFlips, m.gateCloses, m.conditionWrites, m.conditionFailures, m.enrollments, m.failures, m.removals, m.ranUnredirected, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs,
+	r.MustRegister(m.startupReleased, m.slicePublishes, m.sliceTaintChanges, m.sliceLatency, m.prepareRefusals, m.gateRegistrations, m.gateHealthFlips, m.gateCloses, m.conditionWrites, m.conditionFailures, m.enrollments, m.failures, m.removals, m.ranUnredirected, m.latency, m.ztunnelConns, m.ready, m.readyTransitions, m.cniRepairs, m.handovers,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -235,6 +238,10 @@ func (m *Metrics) PrepareRefused() { m.prepareRefusals.Inc() }
 // StartupMemoryReleased records the bytes of its binary's page cache the
 // agent dropped once ready and quiet.
 func (m *Metrics) StartupMemoryReleased(bytes int64) { m.startupReleased.Set(float64(bytes)) }
+
+// HandedOver counts a hand-over this agent took part in (role: taken,
+// given).
+func (m *Metrics) HandedOver(role string) { m.handovers.WithLabelValues(role).Inc() }
 
 // CNIRepaired counts a repair.
 func (m *Metrics) CNIRepaired() { m.cniRepairs.Inc() }

@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"syscall"
 
@@ -41,6 +42,7 @@ func run() error {
 	fs.StringVar(&cfg.Kubeconfig, "kubeconfig", "", "kubeconfig to use instead of the in-cluster service account")
 	fs.StringVar(&cfg.ZDSSocket, "zds-socket", zds.DefaultSocketPath, "the ZDS socket ztunnel connects to")
 	fs.StringVar(&cfg.CNISocket, "cni-socket", cnievent.DefaultSocketPath, "the socket the inpod-cni plugin talks to")
+	handoverSocket := fs.String("handover-socket", "", "where the agent serving this node hands its sockets to its successor: a new agent (a rollout with surge) takes the node over once synced, and CNI events and ztunnel's reconnection wait for the moments of the switch instead of failing; empty: handover.sock next to --cni-socket; none: no hand-over (an agent started while another serves fails)")
 	fs.StringVar(&cfg.CNISourceDir, "cni-source-dir", "/opt/inpod/bin", "where the agent's image holds inpod-cni and inpod-cni-apicheck, installed on the node")
 	fs.StringVar(&cfg.CNIBinDir, "cni-bin-dir", "/opt/cni/bin", "the node's CNI plugin directory")
 	fs.StringVar(&cfg.CNIConfDir, "cni-conf-dir", "/etc/cni/net.d", "the node's CNI configuration directory")
@@ -86,6 +88,13 @@ func run() error {
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(*logLevel)); err != nil {
 		return fmt.Errorf("invalid --log-level %q: %v", *logLevel, err)
+	}
+	switch *handoverSocket {
+	case "none":
+	case "":
+		cfg.HandoverSocket = filepath.Join(filepath.Dir(cfg.CNISocket), "handover.sock")
+	default:
+		cfg.HandoverSocket = *handoverSocket
 	}
 	cfg.KubeAPIQPS = float32(kubeAPIQPS)
 	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))

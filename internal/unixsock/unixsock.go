@@ -20,6 +20,9 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// ErrInUse is Listen's error when another process serves the path.
+var ErrInUse = errors.New("another process is already serving the socket")
+
 // Listen listens on path with network "unix" or "unixpacket".
 func Listen(network, path string) (*net.UnixListener, error) {
 	dir := filepath.Dir(path)
@@ -57,7 +60,7 @@ func removeStale(network, path string) error {
 	c, err := net.DialTimeout(network, path, time.Second)
 	if err == nil {
 		c.Close()
-		return fmt.Errorf("another process is already serving %s", path)
+		return fmt.Errorf("%w: %s", ErrInUse, path)
 	}
 	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("remove stale socket: %w", err)

@@ -1,0 +1,295 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/inpod-dev/inpod/agent/handover"
+	"github.com/inpod-dev/inpod/internal/unixsock"
+	"github.com/inpod-dev/inpod/readiness"
+)
+
+// The agent's side of a hand-over (package handover). A starting agent
+// that finds another serving this node syncs its watches while the other
+// serves on, then takes its sockets: the CNI plugin's connections and
+// ztunnel's reconnection wait in the sockets' backlogs for the moments of
+// the switch instead of being refused. The agent handing over stops acting
+// on the node before the successor starts (the exchange's "retired"), so
+// the two never act at once; only its device plugin stays registered,
+// unchanged, until the successor's is (handoverLinger), because the kubelet
+// turns the resource Unhealthy when its last plugin leaves.
+
+const (
+	// handoverRetry paces a successor's attempts while the running agent
+	// refuses (it is busy, or newer) or cannot hand over.
+	handoverRetry = time.Second
+	// handoverRegisterWait bounds how long a successor's device plugin
+	// waits for the node to be ready here before registering.
+	handoverRegisterWait = 20 * time.Second
+	// handoverLinger is how long a retired agent's device plugin stays
+	// registered: past the successor's handoverRegisterWait, so the
+	// successor's plugin registers first whenever it can.
+	handoverLinger = handoverRegisterWait + 10*time.Second
+	// handoverZtunnelWait bounds how long a successor keeps the CNI
+	// plugin's requests waiting for ztunnel to reconnect.
+	handoverZtunnelWait = 10 * time.Second
+)
+
+// awaitZtunnel returns once ztunnel is connected with its snapshot
+// acknowledged, after wait, or when ctx ends.
+func (a *Agent) awaitZtunnel(ctx context.Context, p *pieces, wait time.Duration) {
+	states, cancel := p.zds.Subscribe()
+	defer cancel()
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	for {
+		select {
+		case st := <-states:
+			if st.Ready {
+				return
+			}
+		case <-timer.C:
+			a.log.Warn("ztunnel has not reconnected since the hand-over; answering CNI events without it (enrolled pods fail closed)", "waited", wait)
+			return
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
+// Names under which the agent passes its sockets.
+const (
+	handoverCNI = "cni"
+	handoverZDS = "zds"
+)
+
+// bindCNI binds the CNI event socket afresh. The lock makes "no agent
+// serves it" and the bind one step for the agents of a node: of two that
+// start at once, the second finds the first's socket served
+// (unixsock.ErrInUse).
+func (a *Agent) bindCNI(p *pieces) error {
+	unlock, err := lockDir(filepath.Dir(a.cfg.CNISocket))
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return p.cni.Listen()
+}
+
+// lockDir takes an exclusive lock on dir's agent.lock, creating dir (0700,
+// as the sockets' directory) if needed.
+func lockDir(dir string) (unlock func(), err error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("agent: socket dir: %w", err)
+	}
+	f, err := os.OpenFile(filepath.Join(dir, "agent.lock"), os.O_CREATE|os.O_RDWR|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("agent: lock: %w", err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("agent: lock %s: %w", f.Name(), err)
+	}
+	return func() { f.Close() }, nil
+}
+
+// claim makes this agent the one serving the node's sockets, once its
+// watches are synced: it takes them over from the agent serving them, or
+// binds the CNI socket when none does. It retries until ctx ends while an
+// agent serves that will not hand over (it is newer, busy, or predates
+// hand-overs: then this one binds once it has exited). It returns the
+// hand-over socket it took (nil when it bound afresh).
+func (a *Agent) claim(ctx context.Context, p *pieces, rank int64) (*net.UnixListener, error) {
+	waiting := false
+	for {
+		if handover.Serving(a.cfg.HandoverSocket) {
+			files, err := handover.Take(ctx, a.cfg.HandoverSocket, rank)
+			if err == nil {
+				return a.adopt(p, files)
+			}
+			var refused *handover.Refused
+			switch {
+			case ctx.Err() != nil:
+				return nil, ctx.Err()
+			case errors.As(err, &refused):
+				if !waiting {
+					a.log.Info("the agent serving this node keeps its sockets; asking again", "why", refused.Reason, "every", handoverRetry)
+				}
+				waiting = true
+			case errors.Is(err, handover.ErrNoAgent):
+				continue // gone meanwhile: bind
+			default:
+				a.log.Warn("taking over from the agent serving this node failed; asking again", "err", err, "in", handoverRetry)
+			}
+		} else {
+			err := a.bindCNI(p)
+			if err == nil {
+				return nil, nil
+			}
+			if !errors.Is(err, unixsock.ErrInUse) {
+				return nil, err
+			}
+			if !waiting {
+				a.log.Info("another agent serves this node's CNI socket without a hand-over socket; binding once it has exited", "socket", a.cfg.CNISocket)
+			}
+			waiting = true
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(handoverRetry):
+		}
+	}
+}
+
+// adopt serves the sockets taken over; every file is closed on return.
+func (a *Agent) adopt(p *pieces, files map[string]*os.File) (_ *net.UnixListener, err error) {
+	defer func() {
+		for _, f := range files {
+			f.Close()
+		}
+	}()
+	listeners := map[string]*net.UnixListener{}
+	defer func() {
+		if err != nil {
+			// Nobody serves what this agent fails to: the plugin's
+			// connections are refused (enrolled pods fail closed) until
+			// the kubelet restarts this agent, which binds afresh.
+			for _, ln := range listeners {
+				ln.Close()
+			}
+		}
+	}()
+	for _, name := range []string{handoverCNI, handoverZDS, handover.HandoverSocket} {
+		f := files[name]
+		if f == nil {
+			return nil, fmt.Errorf("agent: the agent before handed over no %q socket", name)
+		}
+		ln, err := handover.Listener(f)
+		if err != nil {
+			return nil, err
+		}
+		ln.SetUnlinkOnClose(true) // this agent's paths now, removed at its normal exit
+		listeners[name] = ln
+	}
+	if err := p.cni.Adopt(listeners[handoverCNI]); err != nil {
+		return nil, err
+	}
+	if err := p.zds.Adopt(listeners[handoverZDS]); err != nil {
+		return nil, err
+	}
+	a.tookOver = true
+	a.Metrics.HandedOver("taken")
+	a.log.Info("took the node over from the agent serving it: serving its CNI, ZDS and hand-over sockets")
+	return listeners[handover.HandoverSocket], nil
+}
+
+// handoverRank is this agent's rank: its pod's creation time, so the agent
+// of the newest pod serves and a restarted container of an older pod never
+// takes the node back; without a pod, the process's start.
+func (a *Agent) handoverRank(p *pieces) int64 {
+	if a.cfg.PodName != "" {
+		if pod, err := p.pods.pods.Pods(a.cfg.PodNamespace).Get(a.cfg.PodName); err == nil {
+			return pod.CreationTimestamp.UnixNano()
+		}
+		a.log.Warn("the agent's own pod is not in the watch; ranking the hand-over by the process's start", "pod", a.cfg.PodNamespace+"/"+a.cfg.PodName)
+	}
+	return a.started.UnixNano()
+}
+
+// serveHandover serves the hand-over socket (ln when taken over, else
+// bound) until ctx ends or a successor took the node.
+func (a *Agent) serveHandover(ctx context.Context, p *pieces, ln *net.UnixListener, rank int64, retire func()) error {
+	if ln == nil {
+		var err error
+		if ln, err = unixsock.Listen("unixpacket", a.cfg.HandoverSocket); err != nil {
+			return fmt.Errorf("hand-over socket: %w", err)
+		}
+	}
+	src := &handoverSource{a: a, p: p, retire: retire}
+	taken, err := handover.Serve(ctx, ln, a.log, rank, src)
+	ln.Close() // Serve kept the path when it handed over
+	if taken {
+		a.Metrics.HandedOver("given")
+	}
+	return err
+}
+
+// handoverSource is what a hand-over pauses and passes on.
+type handoverSource struct {
+	a      *Agent
+	p      *pieces
+	retire func()
+
+	mu    sync.Mutex
+	files map[string]*os.File
+}
+
+// Pause stops answering the CNI plugin (its connections wait), once the
+// requests in progress are answered, and ztunnel (its connections close;
+// it reconnects to whichever agent serves next). The node's readiness is
+// held as it was meanwhile: a pause is not the node turning unready.
+func (s *handoverSource) Pause(ctx context.Context) (map[string]*os.File, error) {
+	s.a.frozen.Store(true)
+	cni, err := s.p.cni.Hold(ctx)
+	if err != nil {
+		s.unfreeze()
+		return nil, err
+	}
+	zds, err := s.p.zds.Hold(ctx)
+	if err != nil {
+		cni.Close()
+		s.p.cni.Release()
+		s.unfreeze()
+		return nil, err
+	}
+	s.a.log.Info("handing the node over: paused the CNI and ZDS sockets")
+	s.mu.Lock()
+	s.files = map[string]*os.File{handoverCNI: cni, handoverZDS: zds}
+	s.mu.Unlock()
+	return s.files, nil
+}
+
+func (s *handoverSource) closeFiles() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, f := range s.files {
+		f.Close()
+	}
+	s.files = nil
+}
+
+// Resume serves on: the successor did not take the sockets.
+func (s *handoverSource) Resume() {
+	s.closeFiles()
+	s.p.zds.Release()
+	s.p.cni.Release()
+	s.unfreeze()
+	s.a.log.Info("hand-over not done: serving on")
+}
+
+func (s *handoverSource) unfreeze() {
+	s.a.frozen.Store(false)
+	st := s.p.zds.State()
+	s.a.Ready.Set(readiness.ZtunnelConnected, st.Ready, st.NotReadyReason())
+}
+
+// Retire stops everything that acts on the node before the successor is
+// told to start; readiness stays held, so the device plugin that lingers
+// reports the node as it was.
+func (s *handoverSource) Retire() {
+	s.closeFiles()
+	s.p.cni.Retire()
+	s.p.zds.Retire()
+	s.a.retired.Store(true)
+	s.retire()
+	s.a.log.Info("handed the node over: this agent no longer acts on it and exits when stopped")
+}
