@@ -102,6 +102,12 @@ type Config struct {
 	// for the other to exit. Empty: no hand-over; the agent binds its
 	// sockets and fails while another serves them.
 	HandoverSocket string
+	// ProbeSocket answers the exec probes of the agent's own container
+	// (cmd/inpod-probe): the agent pod is ready while this agent serves
+	// the node and the node is ready, or while it waits for an agent that
+	// cannot hand over to exit (so a rollout's surge can remove that
+	// one). Empty: none.
+	ProbeSocket string
 
 	HealthAddr  string
 	MetricsAddr string
@@ -190,6 +196,11 @@ type Agent struct {
 	// tookOver once it took the node from another.
 	frozen, retired atomic.Bool
 	tookOver        bool
+	// waitingForExit is set while this agent waits for an agent that
+	// serves the node without a hand-over socket to exit.
+	waitingForExit atomic.Bool
+	// serving is set once this agent holds the node's sockets.
+	serving atomic.Bool
 }
 
 // DefaultKubeAPIQPS and DefaultKubeAPIBurst are the agent's API rate
@@ -308,6 +319,12 @@ func (a *Agent) Run(ctx context.Context) error {
 		a.log.Info("agent stopping after it handed the node over")
 		return nil
 	}
+	if !a.serving.Load() {
+		// It never served the node (it was waiting to take it over):
+		// the agent that does decides what stays.
+		a.log.Info("agent stopping before it served the node")
+		return nil
+	}
 	if p.uninstall == nil || !p.uninstall.uninstalling(context.WithoutCancel(ctx)) {
 		// The writer stopped with the rest; what it still held (a burst's
 		// annotations wait for its ADDs) is written now, briefly: the next
@@ -366,14 +383,15 @@ type pieces struct {
 	// records is the node-local record of pods with rules.
 	records *enrolledrecord.Dir
 
+	// ztunnelBack is closed while ztunnel may be asked for a pod: at
+	// once, except after a take-over, until ztunnel reconnects to this
+	// agent or handoverZtunnelWait passes.
+	ztunnelBack chan struct{}
+
 	// verifier re-proves the enrolled pods; presence is what it may
 	// conclude from ztunnel's state.
 	verifier *verifier
 	presence *ztunnelPresence
-
-	// handedOver is closed once the agent handed the node over.
-	handedOver     context.Context
-	markHandedOver context.CancelFunc
 
 	// stopZDS ends the ZDS server, which outlives the other pieces;
 	// zdsDone is closed once it has stopped (nil: never started).
@@ -388,8 +406,9 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	p := &pieces{client: a.client,
 		passListPath:  filepath.Join(filepath.Dir(cfg.CNISocket), passListDir),
 		apiAccessPath: filepath.Join(cfg.CNIConfDir, apiaccess.FileName),
+		ztunnelBack:   make(chan struct{}),
 	}
-	p.handedOver, p.markHandedOver = context.WithCancel(context.Background())
+	close(p.ztunnelBack)
 	defer func() {
 		if err != nil {
 			p.close()
@@ -408,10 +427,9 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	}
 	a.log.Info("redirection backend chosen", "backend", backend.Name(), "why", det.Reason)
 	engine := redirect.NewEngine(backend, otherBackends(backend.Name())...)
+	// Ensured once this agent serves the node (startPieces): an agent
+	// waiting to take over must not rewrite what the serving one uses.
 	p.probes = redirect.NewHostProbes(p.hostNS)
-	if err := p.probes.Ensure(); err != nil {
-		return nil, fmt.Errorf("agent: host probe rules: %w", err)
-	}
 
 	meta, err := metadata.NewForConfig(a.restCfg)
 	if err != nil {
@@ -445,7 +463,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		Rules:       podRules{engine},
 		VariantOf:   variantOf(enroll.Variant{DNSCapture: cfg.DNSCapture}, a.log),
 		Probes:      p.probes,
-		Ztunnel:     ztunnelRef{&p.zds},
+		Ztunnel:     ztunnelRef{p},
 		Pods:        p.pods,
 		Finder:      podnetns.Finder{ProcRoot: cfg.ProcRoot, NodeNetNS: nodeID},
 		Annotations: p.annotations,
@@ -454,7 +472,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		Logger:      a.log,
 
 		Listeners:      ztunnelListeners{},
-		Acks:           ztunnelRef{&p.zds},
+		Acks:           ztunnelRef{p},
 		Conditions:     p.conditions,
 		VerifyObserver: a.Metrics,
 		Presence:       p.presence.presence,
@@ -589,15 +607,10 @@ func (a *Agent) start(parent context.Context, p *pieces) error {
 			return nil
 		})
 	}
-	// runToEnd runs one piece until the agent stops; its context's cause
-	// is readiness.ErrHandedOver if the agent handed over.
+	// runToEnd runs one piece until the agent stops, handed over or not.
 	runToEnd := func(name string, fn func(ctx context.Context) error) {
 		g.Go(func() error {
-			pctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
-			stop := context.AfterFunc(ctx, func() { cancel(a.stopCause(ctx)) })
-			defer stop()
-			defer cancel(nil)
-			if err := fn(pctx); err != nil && pctx.Err() == nil {
+			if err := fn(ctx); err != nil && ctx.Err() == nil {
 				return fmt.Errorf("%s: %w", name, err)
 			}
 			return nil
@@ -610,7 +623,9 @@ func (a *Agent) start(parent context.Context, p *pieces) error {
 		select {
 		case <-done:
 		case <-time.After(stopTimeout):
-			a.log.Warn("some pieces still run after the hand-over", "waited", stopTimeout)
+			// Such a piece might act on the node beside the successor:
+			// the process ends instead.
+			fail(fmt.Errorf("agent: not every piece stopped within %s of handing the node over", stopTimeout))
 		}
 	}
 	if err := a.startPieces(ctx, p, run, runToEnd, retire, fail); err != nil {
@@ -638,14 +653,6 @@ func (a *Agent) start(parent context.Context, p *pieces) error {
 	return cause
 }
 
-// stopCause is why the pieces that run to the agent's end stop.
-func (a *Agent) stopCause(ctx context.Context) error {
-	if a.retired.Load() {
-		return readiness.ErrHandedOver
-	}
-	return context.Cause(ctx)
-}
-
 // startPieces starts each piece, in the order that keeps the promises: the
 // CNI server answers (failing closed) from the start; ztunnel is served
 // only once the watches are synced and every running enrolled pod
@@ -656,6 +663,11 @@ func (a *Agent) stopCause(ctx context.Context) error {
 // failing.
 func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(string, func(context.Context) error), retire func(), fail context.CancelCauseFunc) error {
 	cfg := a.cfg
+	if cfg.ProbeSocket != "" {
+		runToEnd("probe socket", func(ctx context.Context) error {
+			return observe.ServeProbes(ctx, a.log, cfg.ProbeSocket, a.podReadiness)
+		})
+	}
 	run("annotations", func(ctx context.Context) error { p.annotations.Run(ctx); return nil })
 	run("pod conditions", func(ctx context.Context) error { p.conditions.Run(ctx); return nil })
 	claiming := false
@@ -671,6 +683,9 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(s
 		a.log.Info("another agent serves this node's CNI socket: taking over once the watches are synced", "socket", cfg.CNISocket)
 	}
 	if !claiming {
+		if err := a.serveNode(p); err != nil {
+			return err
+		}
 		run("cni event server", p.cni.Serve)
 		a.startNodeWriters(p, run)
 	}
@@ -696,19 +711,15 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(s
 		if handoverLn, err = a.claim(ctx, p, rank); err != nil {
 			return err
 		}
+		if err := a.serveNode(p); err != nil {
+			return err
+		}
 		a.startNodeWriters(p, run)
 	}
-	a.restore(ctx, p.pods, p.probes)
 	if claiming {
-		run("cni event server", func(ctx context.Context) error {
-			if a.tookOver {
-				// ztunnel reconnects to this agent within moments: an ADD
-				// answered before would fail for want of it.
-				a.awaitZtunnel(ctx, p, handoverZtunnelWait)
-			}
-			return p.cni.Serve(ctx)
-		})
+		run("cni event server", p.cni.Serve)
 	}
+	a.restore(ctx, p.pods, p.probes)
 	if p.uninstall != nil {
 		p.uninstall.checkSelf()
 	}
@@ -721,7 +732,7 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(s
 		return nil
 	})
 
-	if err := p.zds.Listen(); err != nil {
+	if err := a.listenZDS(ctx, p, claiming); err != nil {
 		return err
 	}
 	// ztunnel's grace runs from here: before, it could not connect.
@@ -739,12 +750,16 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(s
 		}
 	}()
 	run("zds readiness", func(ctx context.Context) error { a.followZtunnel(ctx, p); return nil })
+	if a.tookOver {
+		run("ztunnel back", func(ctx context.Context) error { a.awaitZtunnel(ctx, p, handoverZtunnelWait); return nil })
+	}
 	run("verifier", func(ctx context.Context) error { p.verifier.run(ctx); return nil })
 	run("sandbox check", func(ctx context.Context) error {
 		checkSandboxes(ctx, sandboxCheckInterval, p.pipeline.Enrolled, p.queue)
 		return nil
 	})
 
+	var lingering []*deviceplugin.Plugin
 	for _, gate := range a.gates {
 		dp, isDevicePlugin := gate.(*deviceplugin.Plugin)
 		if !isDevicePlugin || cfg.HandoverSocket == "" {
@@ -755,23 +770,17 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(s
 			dp.TakeOver(handoverRegisterWait)
 		}
 		// Registered until the successor's plugin is (see handover.go).
-		runToEnd("gate "+gate.Name(), func(ctx context.Context) error {
-			ctx, cancel := context.WithCancelCause(ctx)
-			defer cancel(nil)
-			stop := context.AfterFunc(p.handedOver, func() {
-				select {
-				case <-ctx.Done():
-				case <-time.After(handoverLinger):
-					cancel(readiness.ErrHandedOver)
-				}
-			})
-			defer stop()
-			return gate.Run(ctx, a.Ready)
-		})
+		lingering = append(lingering, dp)
+		runToEnd("gate "+gate.Name(), func(ctx context.Context) error { return gate.Run(ctx, a.Ready) })
 	}
 	if cfg.HandoverSocket != "" {
 		runToEnd("hand-over", func(ctx context.Context) error {
-			return a.serveHandover(ctx, p, handoverLn, rank, func() { retire(); p.markHandedOver() })
+			return a.serveHandover(ctx, p, handoverLn, rank, func() {
+				retire()
+				for _, dp := range lingering {
+					dp.Retire(handoverLinger)
+				}
+			})
 		})
 	}
 	if cfg.ReleaseStartupMemory {
@@ -957,12 +966,22 @@ func (r podRules) Apply(ns *os.File, v enroll.Variant) (changed bool, err error)
 
 // ztunnelRef lets the pipeline be built before the ZDS server, which needs
 // the pipeline as its pod source.
-type ztunnelRef struct{ s **zds.Server }
+type ztunnelRef struct{ p *pieces }
 
-func (z ztunnelRef) Add(ctx context.Context, w zds.Workload) error { return (*z.s).Add(ctx, w) }
-func (z ztunnelRef) Del(ctx context.Context, uid string) error     { return (*z.s).Del(ctx, uid) }
-func (z ztunnelRef) Acked(uid string) bool                         { return (*z.s).Acked(uid) }
-func (z ztunnelRef) Settled() bool                                 { return (*z.s).Settled() }
+// Add waits, after a take-over, for ztunnel to be back (see
+// pieces.ztunnelBack): an enrolled pod's ADD in the moments of the switch
+// waits instead of failing.
+func (z ztunnelRef) Add(ctx context.Context, w zds.Workload) error {
+	select {
+	case <-z.p.ztunnelBack:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return z.p.zds.Add(ctx, w)
+}
+func (z ztunnelRef) Del(ctx context.Context, uid string) error { return z.p.zds.Del(ctx, uid) }
+func (z ztunnelRef) Acked(uid string) bool                     { return z.p.zds.Acked(uid) }
+func (z ztunnelRef) Settled() bool                             { return z.p.zds.Settled() }
 
 // otherBackends are cleaned out of pods when another backend is in use.
 func otherBackends(inUse string) []redirect.Backend {

@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -30,22 +31,28 @@ import (
 const (
 	// handoverRetry paces a successor's attempts while the running agent
 	// refuses (it is busy, or newer) or cannot hand over.
-	handoverRetry = time.Second
+	handoverRetry    = time.Second
+	handoverMaxRetry = 30 * time.Second
 	// handoverRegisterWait bounds how long a successor's device plugin
 	// waits for the node to be ready here before registering.
 	handoverRegisterWait = 20 * time.Second
-	// handoverLinger is how long a retired agent's device plugin stays
-	// registered: past the successor's handoverRegisterWait, so the
-	// successor's plugin registers first whenever it can.
-	handoverLinger = handoverRegisterWait + 10*time.Second
+	// handoverLinger bounds how long a retired agent's device plugin
+	// waits for the successor's (deviceplugin.Plugin.Retire): past the
+	// successor's start, a restore, reading the Node's pod capacity and
+	// handoverRegisterWait.
+	handoverLinger = 2 * time.Minute
 	// handoverZtunnelWait bounds how long a successor keeps the CNI
 	// plugin's requests waiting for ztunnel to reconnect.
 	handoverZtunnelWait = 10 * time.Second
+	// resumeGrace bounds how long readiness stays held after a hand-over
+	// that did not happen, for ztunnel to reconnect.
+	resumeGrace = 5 * time.Second
 )
 
-// awaitZtunnel returns once ztunnel is connected with its snapshot
-// acknowledged, after wait, or when ctx ends.
+// awaitZtunnel closes p.ztunnelBack once ztunnel is connected with its
+// snapshot acknowledged, after wait, or when ctx ends.
 func (a *Agent) awaitZtunnel(ctx context.Context, p *pieces, wait time.Duration) {
+	defer close(p.ztunnelBack)
 	states, cancel := p.zds.Subscribe()
 	defer cancel()
 	timer := time.NewTimer(wait)
@@ -57,7 +64,7 @@ func (a *Agent) awaitZtunnel(ctx context.Context, p *pieces, wait time.Duration)
 				return
 			}
 		case <-timer.C:
-			a.log.Warn("ztunnel has not reconnected since the hand-over; answering CNI events without it (enrolled pods fail closed)", "waited", wait)
+			a.log.Warn("ztunnel has not reconnected since the hand-over; enrolled pods' ADDs go on without it (and fail closed)", "waited", wait)
 			return
 		case <-ctx.Done():
 			return
@@ -82,6 +89,38 @@ func (a *Agent) bindCNI(p *pieces) error {
 	}
 	defer unlock()
 	return p.cni.Listen()
+}
+
+// serveNode is the start of serving the node, once its sockets are this
+// agent's: the host's probe rules, which the agent before may have used
+// until now.
+func (a *Agent) serveNode(p *pieces) error {
+	a.serving.Store(true)
+	if err := p.probes.Ensure(); err != nil {
+		return fmt.Errorf("agent: host probe rules: %w", err)
+	}
+	return nil
+}
+
+// zdsFreeWait bounds how long an agent that bound the CNI socket after the
+// agent before stopped waits for that agent's ZDS server, which outlives
+// its other pieces at shutdown, to let the ZDS socket go.
+const zdsFreeWait = 30 * time.Second
+
+// listenZDS opens the ZDS socket (a no-op when taken over).
+func (a *Agent) listenZDS(ctx context.Context, p *pieces, claimed bool) error {
+	deadline := time.Now().Add(zdsFreeWait)
+	for {
+		err := p.zds.Listen()
+		if err == nil || !claimed || !errors.Is(err, unixsock.ErrInUse) || time.Now().After(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
 }
 
 // lockDir takes an exclusive lock on dir's agent.lock, creating dir (0700,
@@ -109,8 +148,14 @@ func lockDir(dir string) (unlock func(), err error) {
 // hand-over socket it took (nil when it bound afresh).
 func (a *Agent) claim(ctx context.Context, p *pieces, rank int64) (*net.UnixListener, error) {
 	waiting := false
+	// Each refused attempt may have paused the running agent (up to the
+	// protocol's pause bound): back off, so it serves most of the time.
+	retry := handoverRetry
 	for {
+		wait := handoverRetry // binding costs the running agent nothing
 		if handover.Serving(a.cfg.HandoverSocket) {
+			wait = retry
+			retry = min(2*retry, handoverMaxRetry)
 			files, err := handover.Take(ctx, a.cfg.HandoverSocket, rank)
 			if err == nil {
 				return a.adopt(p, files)
@@ -121,17 +166,18 @@ func (a *Agent) claim(ctx context.Context, p *pieces, rank int64) (*net.UnixList
 				return nil, ctx.Err()
 			case errors.As(err, &refused):
 				if !waiting {
-					a.log.Info("the agent serving this node keeps its sockets; asking again", "why", refused.Reason, "every", handoverRetry)
+					a.log.Info("the agent serving this node keeps its sockets; asking again", "why", refused.Reason, "in", wait)
 				}
 				waiting = true
 			case errors.Is(err, handover.ErrNoAgent):
 				continue // gone meanwhile: bind
 			default:
-				a.log.Warn("taking over from the agent serving this node failed; asking again", "err", err, "in", handoverRetry)
+				a.log.Warn("taking over from the agent serving this node failed; asking again", "err", err, "in", wait)
 			}
 		} else {
 			err := a.bindCNI(p)
 			if err == nil {
+				a.waitingForExit.Store(false)
 				return nil, nil
 			}
 			if !errors.Is(err, unixsock.ErrInUse) {
@@ -141,13 +187,31 @@ func (a *Agent) claim(ctx context.Context, p *pieces, rank int64) (*net.UnixList
 				a.log.Info("another agent serves this node's CNI socket without a hand-over socket; binding once it has exited", "socket", a.cfg.CNISocket)
 			}
 			waiting = true
+			// An agent of a release before hand-overs: a rollout's
+			// surge removes it only once this agent's pod is ready.
+			a.waitingForExit.Store(true)
 		}
 		select {
 		case <-ctx.Done():
 			return nil, ctx.Err()
-		case <-time.After(handoverRetry):
+		case <-time.After(wait):
 		}
 	}
+}
+
+// podReadiness is the agent pod's readiness (Config.ProbeSocket).
+func (a *Agent) podReadiness() (bool, string) {
+	switch {
+	case a.retired.Load():
+		return false, "handed the node over to the agent that started after this one"
+	case a.waitingForExit.Load():
+		return true, "waiting for the agent serving this node, which cannot hand over, to exit"
+	}
+	st := a.Ready.State()
+	if !st.Ready {
+		return false, "not ready:\n  " + strings.Join(st.Failing, "\n  ")
+	}
+	return true, "ready"
 }
 
 // adopt serves the sockets taken over; every file is closed on return.
@@ -187,6 +251,7 @@ func (a *Agent) adopt(p *pieces, files map[string]*os.File) (_ *net.UnixListener
 		return nil, err
 	}
 	a.tookOver = true
+	p.ztunnelBack = make(chan struct{})
 	a.Metrics.HandedOver("taken")
 	a.log.Info("took the node over from the agent serving it: serving its CNI, ZDS and hand-over sockets")
 	return listeners[handover.HandoverSocket], nil
@@ -231,6 +296,8 @@ type handoverSource struct {
 
 	mu    sync.Mutex
 	files map[string]*os.File
+	// pauses counts Pause calls: an unfreeze of an earlier one gives way.
+	pauses int
 }
 
 // Pause stops answering the CNI plugin (its connections wait), once the
@@ -238,6 +305,9 @@ type handoverSource struct {
 // it reconnects to whichever agent serves next). The node's readiness is
 // held as it was meanwhile: a pause is not the node turning unready.
 func (s *handoverSource) Pause(ctx context.Context) (map[string]*os.File, error) {
+	s.mu.Lock()
+	s.pauses++
+	s.mu.Unlock()
 	s.a.frozen.Store(true)
 	cni, err := s.p.cni.Hold(ctx)
 	if err != nil {
@@ -276,10 +346,41 @@ func (s *handoverSource) Resume() {
 	s.a.log.Info("hand-over not done: serving on")
 }
 
+// unfreeze follows ztunnel again once it is back (the pause closed its
+// connections; it reconnects within moments) or after resumeGrace: a
+// hand-over that did not happen is no readiness dip. Unless another pause
+// began meanwhile.
 func (s *handoverSource) unfreeze() {
-	s.a.frozen.Store(false)
-	st := s.p.zds.State()
-	s.a.Ready.Set(readiness.ZtunnelConnected, st.Ready, st.NotReadyReason())
+	s.mu.Lock()
+	pause := s.pauses
+	s.mu.Unlock()
+	go func() {
+		states, cancel := s.p.zds.Subscribe()
+		defer cancel()
+		timer := time.NewTimer(resumeGrace)
+		defer timer.Stop()
+	wait:
+		for {
+			select {
+			case st := <-states:
+				if st.Ready {
+					break wait
+				}
+			case <-timer.C:
+				break wait
+			}
+		}
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if s.pauses != pause {
+			return
+		}
+		s.a.frozen.Store(false)
+		st := s.p.zds.State()
+		s.a.Ready.Set(readiness.ZtunnelConnected, st.Ready, st.NotReadyReason())
+		// What the verifier would have learnt from the reconnection.
+		s.p.verifier.trigger()
+	}()
 }
 
 // Retire stops everything that acts on the node before the successor is

@@ -34,6 +34,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -167,8 +168,14 @@ type Plugin struct {
 	// devices is what every ListAndWatch stream sends: the latest list,
 	// never blocking the readiness follower on a slow kubelet.
 	devices *latest.Value[[]*pluginapi.Device]
-	// registerWait is TakeOver's.
-	registerWait time.Duration
+	// registerWait is TakeOver's; awaitingRegistration is set while Run
+	// waits for it: the kubelet does not know this plugin yet, so a
+	// not-ready node closes nothing through it.
+	registerWait         time.Duration
+	awaitingRegistration atomic.Bool
+	// retired is closed by Retire; lingerFor is its bound.
+	retired   chan struct{}
+	lingerFor time.Duration
 }
 
 // TakeOver is called before Run when the agent took the node over from a
@@ -212,7 +219,7 @@ func New(cfg Config) (*Plugin, error) {
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Plugin{cfg: cfg, log: log.With("component", "deviceplugin", "resource", cfg.ResourceName)}, nil
+	return &Plugin{cfg: cfg, log: log.With("component", "deviceplugin", "resource", cfg.ResourceName), retired: make(chan struct{})}, nil
 }
 
 // Name is the gate's --gate value.
@@ -269,7 +276,9 @@ func (p *Plugin) Run(ctx context.Context, ready *readiness.Aggregate) error {
 	}
 
 	if p.registerWait > 0 {
+		p.awaitingRegistration.Store(true)
 		p.waitHealthy(ctx, p.registerWait)
+		p.awaitingRegistration.Store(false)
 	}
 	registrations := 0
 	for {
@@ -284,12 +293,16 @@ func (p *Plugin) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		// Serve until our socket goes or the kubelet comes back (a new
 		// kubelet.sock), then start over.
 		reason := p.waitForRestart(ctx, w, registered, inode(p.kubeletSocket()))
+		// Retired: served until the successor's plugin is registered
+		// too (the kubelet keeps the devices Healthy while one plugin of
+		// the resource remains), then stopped without a close; closed
+		// as at a stop if none comes.
+		quiet := reason == reasonRetired && p.linger(ctx, w)
+		stopping := ctx.Err() != nil || reason == reasonRetired
 		closed := false
-		handedOver := errors.Is(context.Cause(ctx), readiness.ErrHandedOver)
-		if handedOver {
-			p.log.Info("stopping without closing the gate: the successor on this node serves the resource")
-		}
-		if ctx.Err() != nil && registered && !handedOver {
+		if quiet {
+			p.log.Info("stopping without closing the gate: the successor's plugin serves the resource")
+		} else if stopping && registered {
 			// The kubelet turns every device Unhealthy the moment the
 			// stream ends: close first, as for a readiness dip, once
 			// the follower (and a dip's close) has stopped.
@@ -299,7 +312,7 @@ func (p *Plugin) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		}
 		srv.Stop()
 		os.Remove(p.SocketPath())
-		if ctx.Err() != nil {
+		if stopping {
 			if closed {
 				// A kubelet status sync computed just before the
 				// stream ended lands within moments.
@@ -309,8 +322,93 @@ func (p *Plugin) Run(ctx context.Context, ready *readiness.Aggregate) error {
 			}
 			return nil
 		}
+		if p.isRetired() {
+			// The kubelet restarted or lost our socket: it registers
+			// the successor's plugin, not a retired one.
+			p.log.Info("retired: not registering again", "because", reason)
+			return nil
+		}
 		p.log.Info("re-registering with the kubelet", "because", reason)
 	}
+}
+
+// reasonRetired is waitForRestart's answer once Retire was called.
+const reasonRetired = "retired"
+
+// Retire tells a running plugin that its agent handed the node over to a
+// successor on the node (package agent/handover): it no longer follows
+// readiness (its agent's is held as it was), never registers again, and
+// serves until the successor's plugin is registered (a live socket of
+// another inpod plugin in the directory, then siblingGrace) or for at most
+// linger; then Run returns, without closing the gate when the successor's
+// plugin serves and with a close, as at a stop, when none does.
+func (p *Plugin) Retire(linger time.Duration) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.isRetired() {
+		p.lingerFor = linger
+		close(p.retired)
+	}
+}
+
+func (p *Plugin) isRetired() bool {
+	select {
+	case <-p.retired:
+		return true
+	default:
+		return false
+	}
+}
+
+// siblingGrace is how long a retired plugin serves on after it first sees
+// the successor's socket: the successor registers right after it serves.
+var siblingGrace = 2 * time.Second
+
+// linger serves a retired plugin on until the successor's plugin serves
+// (true) or lingerFor passes or ctx ends without one (false).
+func (p *Plugin) linger(ctx context.Context, w *fsnotify.Watcher) bool {
+	p.mu.Lock()
+	limit := p.lingerFor
+	p.mu.Unlock()
+	p.log.Info("retired: serving until the successor's plugin is registered", "atMost", limit)
+	deadline := time.NewTimer(limit)
+	defer deadline.Stop()
+	tick := time.NewTicker(500 * time.Millisecond) // a missed event
+	defer tick.Stop()
+	var grace <-chan time.Time
+	for {
+		if grace == nil && p.siblingServes() {
+			grace = time.After(siblingGrace)
+		}
+		select {
+		case <-ctx.Done():
+			return grace != nil
+		case <-deadline.C:
+			p.log.Warn("no successor's plugin registered while retired: closing the gate", "waited", limit)
+			return false
+		case <-grace:
+			return true
+		case <-w.Events:
+		case <-w.Errors:
+		case <-tick.C:
+		}
+	}
+}
+
+// siblingServes reports whether another inpod plugin (a socket named
+// inpod-*.sock, not this one's) accepts connections in the directory.
+func (p *Plugin) siblingServes() bool {
+	socks, _ := filepath.Glob(filepath.Join(p.cfg.PluginDir, "inpod-*.sock"))
+	for _, s := range socks {
+		if s == p.SocketPath() {
+			continue
+		}
+		if c, err := net.DialTimeout("unix", s, 200*time.Millisecond); err == nil {
+			c.Close()
+			return true
+		}
+	}
+	return false
 }
 
 // waitHealthy returns once the devices are Healthy, after wait, or when
@@ -417,6 +515,8 @@ func (p *Plugin) waitForRestart(ctx context.Context, w *fsnotify.Watcher, regist
 		select {
 		case <-ctx.Done():
 			return "shutting down"
+		case <-p.retired:
+			return reasonRetired
 		case ev := <-w.Events:
 			name := filepath.Base(ev.Name)
 			switch {
@@ -475,7 +575,7 @@ func (p *Plugin) followReadiness(ctx context.Context, states <-chan readiness.St
 	}
 	unhealthy := func(failing []string, delay time.Duration) {
 		p.setHealthy(false, failing)
-		if p.cfg.Closer == nil || keeping != nil {
+		if p.cfg.Closer == nil || keeping != nil || p.awaitingRegistration.Load() {
 			return
 		}
 		kctx, cancel := context.WithTimeout(ctx, KeepClosedFor)

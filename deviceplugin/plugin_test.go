@@ -506,10 +506,11 @@ func TestStoppingClosesBeforeTheStreamEnds(t *testing.T) {
 	}
 }
 
-// Handed over, the plugin stops without closing: no Closer call, and the
-// last devices the kubelet got from it are Healthy (the successor's plugin
-// serves the resource).
-func TestHandedOverStopsWithoutClosing(t *testing.T) {
+// Retired, the plugin serves on until the successor's plugin serves too,
+// then stops without closing: no Closer call, and the last devices the
+// kubelet got from it are Healthy. A retired plugin no successor joins
+// closes the gate at the end of its linger, as at a stop.
+func TestRetiredStopsWithoutClosingOnceTheSuccessorServes(t *testing.T) {
 	dir := t.TempDir()
 	k := startKubelet(t, dir)
 	ready := newReady()
@@ -518,32 +519,61 @@ func TestHandedOverStopsWithoutClosing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancelCause(context.Background())
-	defer cancel(nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- p.Run(ctx, ready) }()
 	ready.Set("test", true, "")
 	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
-	stopped := time.Now()
-	cancel(readiness.ErrHandedOver)
+	retired := time.Now()
+	p.Retire(time.Minute)
+	select {
+	case err := <-done:
+		t.Fatalf("a retired plugin stopped (%v) before any successor served", err)
+	case <-time.After(300 * time.Millisecond): // the negative: it serves on
+	}
+	successorReady := newReady()
+	successorReady.Set("test", true, "")
+	startPlugin(t, dir, successorReady, nil)
 	select {
 	case err := <-done:
 		if err != nil {
 			t.Fatal(err)
 		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("Run did not return after the hand-over")
+	case <-time.After(20 * time.Second):
+		t.Fatal("the retired plugin did not stop once the successor's served")
 	}
 	select {
 	case <-c.calls:
-		t.Fatal("a plugin handed over asked its Closer to close the Node")
+		t.Fatal("a retired plugin asked its Closer to close the Node")
 	default:
 	}
-	if u, ok := k.FirstSince(res, stopped, 0); ok {
-		t.Fatalf("a plugin handed over sent Unhealthy devices at %v", u.At)
+	if u, ok := k.FirstSince(res, retired, 0); ok {
+		t.Fatalf("a retired plugin sent Unhealthy devices at %v", u.At)
 	}
-	if _, err := os.Stat(p.SocketPath()); err == nil {
-		t.Fatal("the plugin's socket is still there after Run returned")
+
+	dir2 := t.TempDir()
+	k2 := startKubelet(t, dir2)
+	c2 := newCloser(k2)
+	close(c2.release)
+	alone, err := deviceplugin.New(deviceplugin.Config{PluginDir: dir2, Devices: 8, Closer: c2, CloseTimeout: deviceplugin.MaxCloseTimeout})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done2 := make(chan error, 1)
+	go func() { done2 <- alone.Run(context.Background(), ready) }()
+	eventually(t, "healthy", func() bool { return k2.Allocatable(res) == 8 })
+	alone.Retire(200 * time.Millisecond)
+	if n := c2.called(t); n != 8 {
+		t.Fatalf("the close began with %d devices Healthy, want 8", n)
+	}
+	select {
+	case err := <-done2:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("a retired plugin with no successor did not stop after its linger")
 	}
 }
 

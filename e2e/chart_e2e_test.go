@@ -4,17 +4,20 @@ package e2e
 
 import (
 	"context"
+	"fmt"
 	"os"
 	osexec "os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/inpod-dev/inpod/e2e/chart"
 	"github.com/inpod-dev/inpod/e2e/cluster"
@@ -105,8 +108,12 @@ func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 	}
 	inbound("client-before")
 
-	// Upgrade: a changed image. The plugin must stay chained throughout.
+	// Upgrade: a changed image, under a stream of enrolled pods. The new
+	// agent starts beside the old one and takes the node over: the plugin
+	// stays chained throughout, no enrolled pod's CNI ADD fails, none is
+	// rejected, and each runs redirected.
 	oldAgent := agentReady(t, ctx, node)
+	churn := startChurn(ctx, client, "mesh", 500*time.Millisecond, 30)
 	if err := target.Install(ctx, repo, "upgrade"); err != nil {
 		t.Fatal(err)
 	}
@@ -122,6 +129,35 @@ func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 			t.Fatal("timed out waiting for the upgraded agent Ready")
 		}
 		time.Sleep(20 * time.Millisecond) // sampling the conflist, not synchronising
+	}
+	churned := churn.stop()
+	if len(churned) < 5 {
+		t.Fatalf("only %d pods were created during the upgrade: the stream proves nothing", len(churned))
+	}
+	for _, name := range churned {
+		p := waitReady(t, ctx, node, "mesh", name)
+		if got := listenersAtStart(t, ctx, node, "mesh", name); got != allListeners {
+			t.Errorf("%s, created during the upgrade, started with ztunnel's listeners %s, want %s", name, got, allListeners)
+		}
+		if p.Annotations[enrollment.RedirectionAnnotation] != "enabled" {
+			testkit.Eventually(t, time.Minute, name+" annotated enabled", func() bool {
+				got, err := client.CoreV1().Pods("mesh").Get(ctx, name, metav1.GetOptions{})
+				return err == nil && got.Annotations[enrollment.RedirectionAnnotation] == "enabled"
+			})
+		}
+	}
+	if evs, err := client.CoreV1().Events("mesh").List(ctx, metav1.ListOptions{FieldSelector: "reason=FailedCreatePodSandBox"}); err != nil {
+		t.Fatal(err)
+	} else if len(evs.Items) > 0 {
+		t.Errorf("%d failed CNI ADDs during the upgrade, want 0; first: %s: %s", len(evs.Items), evs.Items[0].InvolvedObject.Name, evs.Items[0].Message)
+	}
+	const taken = `inpod_agent_handovers_total{role="taken"}`
+	if got := agentSample(agentMetricsPort, taken); got != 1 {
+		t.Errorf("the upgraded agent's %s is %v, want 1: it did not take the node over", taken, got)
+	}
+	t.Logf("%d enrolled pods created during the upgrade: every one redirected, no failed ADD", len(churned))
+	for _, name := range churned {
+		client.CoreV1().Pods("mesh").Delete(ctx, name, metav1.DeleteOptions{})
 	}
 	p, err := client.CoreV1().Pods("mesh").Get(ctx, "app", metav1.GetOptions{})
 	if err != nil {
@@ -154,6 +190,44 @@ func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 	if v, has := p.Annotations[enrollment.RedirectionAnnotation]; has {
 		t.Errorf("after uninstall the pod still carries %s=%q", enrollment.RedirectionAnnotation, v)
 	}
+}
+
+// churn creates pods, paced, until stopped or max.
+type churn struct {
+	mu    sync.Mutex
+	names []string
+	done  chan struct{}
+	over  chan struct{}
+}
+
+func startChurn(ctx context.Context, client kubernetes.Interface, ns string, every time.Duration, max int) *churn {
+	c := &churn{done: make(chan struct{}), over: make(chan struct{})}
+	go func() {
+		defer close(c.over)
+		for i := 0; i < max; i++ {
+			name := fmt.Sprintf("churn-%d", i)
+			if _, err := client.CoreV1().Pods(ns).Create(ctx, testAppPod(ns, name), metav1.CreateOptions{}); err == nil {
+				c.mu.Lock()
+				c.names = append(c.names, name)
+				c.mu.Unlock()
+			}
+			select {
+			case <-c.done:
+				return
+			case <-time.After(every): // pacing the stream
+			}
+		}
+	}()
+	return c
+}
+
+// stop ends the stream and returns the pods it created.
+func (c *churn) stop() []string {
+	close(c.done)
+	<-c.over
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.names
 }
 
 // agentReady is the name of the Ready agent pod, or "".

@@ -201,6 +201,7 @@ func TestArm64ImagesRunUnderQEMU(t *testing.T) {
 	t.Run("go-binaries", func(t *testing.T) {
 		for _, c := range []struct{ image, path, want string }{
 			{"inpod-agent", release.AgentBinary, "Usage: inpod-agent"},
+			{"inpod-agent", release.ProbeBinary, "usage: inpod-probe"},
 			{"inpod-agent", release.CNIDir + "/inpod-cni-apicheck", "inpod-cni-apicheck"},
 			{"inpod-controller", release.ControllerBinary, "inpod-controller"},
 			{"inpod-waitready", release.WaitReadyBinary, "inpod-waitready"},

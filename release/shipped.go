@@ -26,6 +26,7 @@ const (
 // default: the plugin binaries it copies onto the node.
 const (
 	AgentBinary      = "/usr/local/bin/inpod-agent"
+	ProbeBinary      = "/usr/local/bin/inpod-probe" // the agent container's exec probe
 	ControllerBinary = "/usr/local/bin/inpod-controller"
 	WaitReadyBinary  = "/usr/local/bin/inpod-waitready"
 	CNIDir           = "/opt/inpod/bin"
@@ -48,7 +49,7 @@ var iptablesTools = func() []string {
 }()
 
 // Agent is the inpod-agent image for linux/arch: the agent (entrypoint),
-// inpod-cni and inpod-cni-apicheck in CNIDir for the agent to install on
+// its exec probe, inpod-cni and inpod-cni-apicheck in CNIDir for the agent to install on
 // the node, and the iptables tools with their libraries and match/target
 // extensions from Debian's iptables package, so every redirection backend
 // runs from the image. The default backend, nftables, needs none of them
@@ -63,6 +64,7 @@ func Agent(ctx context.Context, repoDir, tag, arch string) (Spec, error) {
 	var files []File
 	for _, b := range []struct{ pkg, path string }{
 		{"./cmd/inpod-agent", AgentBinary},
+		{"./cmd/inpod-probe", ProbeBinary},
 		{"./cmd/inpod-cni", CNIDir + "/inpod-cni"},
 		{"./cmd/inpod-cni-apicheck", CNIDir + "/inpod-cni-apicheck"},
 	} {

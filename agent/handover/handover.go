@@ -102,13 +102,19 @@ type Source interface {
 // Bounds of one exchange, variables for the tests.
 var (
 	// pauseTimeout bounds Source.Pause: a running agent that cannot finish
-	// its work in flight by then resumes and refuses.
-	pauseTimeout = 20 * time.Second
+	// its work in flight by then resumes and refuses (the successor backs
+	// off and asks again). Short: the CNI plugin's requests wait for the
+	// whole pause.
+	pauseTimeout = 5 * time.Second
 	// confirmTimeout is how long the running agent waits for "got".
 	confirmTimeout = 10 * time.Second
 	// takeTimeout bounds Take when its context has no deadline: past
 	// pauseTimeout and confirmTimeout, so the running agent decides first.
 	takeTimeout = time.Minute
+	// verdictTimeout bounds the successor's wait for the running agent's
+	// decision after "got" (it stops its pieces first), whatever Take's
+	// context says.
+	verdictTimeout = 30 * time.Second
 )
 
 // Serve answers hand-over requests on ln for the running agent until ctx
@@ -368,7 +374,11 @@ func takeOver(ctx context.Context, uc *net.UnixConn, rank int64) (map[string]*os
 		return nil, fmt.Errorf("handover: confirm: %w", err)
 	}
 	// The running agent decides: "retired", or "resume" if "got" came too
-	// late. If it dies instead, the sockets live on in these files.
+	// late. If it dies instead, the sockets live on in these files. The
+	// wait is its own, not ctx's: giving up now, while the running agent
+	// retires, would leave nobody serving.
+	stop()
+	uc.SetDeadline(time.Now().Add(verdictTimeout))
 	n, err = uc.Read(buf)
 	switch {
 	case err == nil && string(buf[:n]) == "retired", err == nil && n == 0, err != nil && isPeerGone(err):

@@ -55,6 +55,7 @@ func run() error {
 	exclude := fs.String("exclude-namespaces", "kube-system", "comma-separated namespaces never enrolled")
 	fs.StringVar(&cfg.ProcRoot, "proc-root", "/proc", "the host's procfs (to find running pods' network namespaces)")
 	fs.StringVar(&cfg.HostNetNS, "host-netns", "/proc/self/ns/net", "the node's network namespace (for the kubelet probe rules and backend detection)")
+	fs.StringVar(&cfg.ProbeSocket, "probe-socket", "", "a unix socket in the agent's own container answering its exec probes (inpod-probe SOCKET /healthz or /readyz): ready while this agent serves the node and the node is ready, or while it waits for an agent that cannot hand over to exit; the chart uses it because the health port is the node's (hostNetwork) and, during a rollout's surge, shared by two agents; empty: none")
 	fs.StringVar(&cfg.HealthAddr, "health-addr", ":15021", "address of /healthz and /readyz")
 	fs.StringVar(&cfg.MetricsAddr, "metrics-addr", ":15020", "address of /metrics")
 	fs.BoolVar(&cfg.DebugPprof, "debug-pprof", false, "also serve Go's profiles (heap, goroutines, CPU) under /debug/pprof/ on --metrics-addr; for diagnosis only, they show the agent's internals to whoever reaches the port")
