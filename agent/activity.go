@@ -64,8 +64,14 @@ func (c *cniActivity) inFlightNow() int {
 
 func (c *cniActivity) Add(ctx context.Context, req *cnievent.Request) (cnievent.Outcome, error) {
 	defer c.track()()
-	return c.Handler.Add(ctx, req)
+	return c.Handler.Add(context.WithValue(ctx, cniEventKey{}, true), req)
 }
+
+// cniEventKey marks the context of a CNI ADD (fromCNIEvent).
+type cniEventKey struct{}
+
+// fromCNIEvent reports whether ctx is a CNI ADD's.
+func fromCNIEvent(ctx context.Context) bool { return ctx.Value(cniEventKey{}) != nil }
 
 func (c *cniActivity) Del(ctx context.Context, req *cnievent.Request) (cnievent.Outcome, error) {
 	defer c.track()()

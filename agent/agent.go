@@ -383,8 +383,8 @@ type pieces struct {
 	// records is the node-local record of pods with rules.
 	records *enrolledrecord.Dir
 
-	// ztunnelBack is closed while ztunnel may be asked for a pod: at
-	// once, except after a take-over, until ztunnel reconnects to this
+	// ztunnelBack is closed once a CNI ADD may ask ztunnel for its pod:
+	// at once, except after a take-over, until ztunnel reconnects to this
 	// agent or handoverZtunnelWait passes.
 	ztunnelBack chan struct{}
 
@@ -714,12 +714,19 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(s
 		if err := a.serveNode(p); err != nil {
 			return err
 		}
+		if a.tookOver {
+			run("ztunnel back", func(ctx context.Context) error { a.awaitZtunnel(ctx, p, handoverZtunnelWait); return nil })
+		}
 		a.startNodeWriters(p, run)
 	}
+	a.restore(ctx, p.pods, p.probes)
 	if claiming {
+		// After the restore, which takes each running pod's lock: an ADD
+		// holding one while it waits for ztunnel would hold the restore,
+		// and ztunnel is served only after it. The plugin's requests wait
+		// in the socket's backlog meanwhile.
 		run("cni event server", p.cni.Serve)
 	}
-	a.restore(ctx, p.pods, p.probes)
 	if p.uninstall != nil {
 		p.uninstall.checkSelf()
 	}
@@ -750,9 +757,6 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(s
 		}
 	}()
 	run("zds readiness", func(ctx context.Context) error { a.followZtunnel(ctx, p); return nil })
-	if a.tookOver {
-		run("ztunnel back", func(ctx context.Context) error { a.awaitZtunnel(ctx, p, handoverZtunnelWait); return nil })
-	}
 	run("verifier", func(ctx context.Context) error { p.verifier.run(ctx); return nil })
 	run("sandbox check", func(ctx context.Context) error {
 		checkSandboxes(ctx, sandboxCheckInterval, p.pipeline.Enrolled, p.queue)
@@ -968,14 +972,17 @@ func (r podRules) Apply(ns *os.File, v enroll.Variant) (changed bool, err error)
 // the pipeline as its pod source.
 type ztunnelRef struct{ p *pieces }
 
-// Add waits, after a take-over, for ztunnel to be back (see
+// Add of a CNI ADD waits, after a take-over, for ztunnel to be back (see
 // pieces.ztunnelBack): an enrolled pod's ADD in the moments of the switch
-// waits instead of failing.
+// waits instead of failing. The others (the restore, the verifier) do not
+// wait: ztunnel's snapshot brings it their pods.
 func (z ztunnelRef) Add(ctx context.Context, w zds.Workload) error {
-	select {
-	case <-z.p.ztunnelBack:
-	case <-ctx.Done():
-		return ctx.Err()
+	if fromCNIEvent(ctx) {
+		select {
+		case <-z.p.ztunnelBack:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
 	}
 	return z.p.zds.Add(ctx, w)
 }

@@ -41,9 +41,10 @@ const (
 	// successor's start, a restore, reading the Node's pod capacity and
 	// handoverRegisterWait.
 	handoverLinger = 2 * time.Minute
-	// handoverZtunnelWait bounds how long a successor keeps the CNI
-	// plugin's requests waiting for ztunnel to reconnect.
-	handoverZtunnelWait = 10 * time.Second
+	// handoverZtunnelWait bounds how long, from the take-over, a
+	// successor keeps enrolled pods' ADDs waiting for ztunnel: its restore
+	// and ztunnel's reconnection.
+	handoverZtunnelWait = 20 * time.Second
 	// resumeGrace bounds how long readiness stays held after a hand-over
 	// that did not happen, for ztunnel to reconnect.
 	resumeGrace = 5 * time.Second
@@ -262,10 +263,11 @@ func (a *Agent) adopt(p *pieces, files map[string]*os.File) (_ *net.UnixListener
 // takes the node back; without a pod, the process's start.
 func (a *Agent) handoverRank(p *pieces) int64 {
 	if a.cfg.PodName != "" {
-		if pod, err := p.pods.pods.Pods(a.cfg.PodNamespace).Get(a.cfg.PodName); err == nil {
+		pod, err := p.pods.pods.Pods(a.cfg.PodNamespace).Get(a.cfg.PodName)
+		if err == nil && !pod.CreationTimestamp.IsZero() {
 			return pod.CreationTimestamp.UnixNano()
 		}
-		a.log.Warn("the agent's own pod is not in the watch; ranking the hand-over by the process's start", "pod", a.cfg.PodNamespace+"/"+a.cfg.PodName)
+		a.log.Warn("the agent's own pod and its creation time are not in the watch; ranking the hand-over by the process's start", "pod", a.cfg.PodNamespace+"/"+a.cfg.PodName)
 	}
 	return a.started.UnixNano()
 }

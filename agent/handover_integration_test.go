@@ -113,10 +113,15 @@ func TestIntegrationHandOverUnderAStreamOfADDs(t *testing.T) {
 	bin := buildAgent(t)
 	first := w.startAgentProcess(bin)
 
+	// Running, so the successor restores it (what it restores must not
+	// wait for ztunnel as a CNI ADD does).
 	before, beforeNS := w.pod("mesh", "before")
-	if _, err := w.cniAdd(before, beforeNS); err != nil {
+	res, err := w.cniAdd(before, beforeNS)
+	if err != nil {
 		t.Fatal(err)
 	}
+	w.setRunning(before, res.IPs[0].Address.IP.String())
+	beforeNS.RunAsPod(t, string(before.UID))
 	rulesBefore := beforeNS.Exec(t, "nft", "-a", "list", "ruleset")
 	connects := w.standin.Connects()
 

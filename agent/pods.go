@@ -71,7 +71,9 @@ var keptPodAnnotations = []string{enrollment.RedirectionAnnotation, enroll.Mirro
 //   - the verifier (enroll/verify.go): whether the pod's readiness gates
 //     include inpod.dev/redirected, and that condition's status;
 //   - the uninstall check (removal.go): spec.nodeName, deletionTimestamp,
-//     the controlling owner reference, labels, status.phase.
+//     the controlling owner reference, labels, status.phase;
+//   - the hand-over (handover.go): the agent's own pod's creationTimestamp,
+//     its rank.
 //
 // Anything else is dropped, managedFields first. A new reader of a pod
 // field must be added here, or it reads the zero value: TestTrimPodKeeps...
@@ -85,7 +87,7 @@ func trimPod(obj any) (any, error) {
 	out := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{
 			Name: pod.Name, Namespace: pod.Namespace, UID: pod.UID, ResourceVersion: pod.ResourceVersion,
-			Labels: pod.Labels, DeletionTimestamp: pod.DeletionTimestamp,
+			Labels: pod.Labels, DeletionTimestamp: pod.DeletionTimestamp, CreationTimestamp: pod.CreationTimestamp,
 		},
 		Spec:   corev1.PodSpec{NodeName: pod.Spec.NodeName, HostNetwork: pod.Spec.HostNetwork, ServiceAccountName: pod.Spec.ServiceAccountName},
 		Status: corev1.PodStatus{Phase: pod.Status.Phase, PodIP: pod.Status.PodIP, PodIPs: pod.Status.PodIPs},

@@ -32,6 +32,7 @@ type podRead struct {
 	PodIPs                                []corev1.PodIP
 	SandboxReady                          []corev1.PodCondition
 	EventRef                              *corev1.ObjectReference
+	Created                               metav1.Time // the hand-over's rank
 	Gated                                 bool
 	Redirected                            []corev1.PodCondition
 	Variant, VariantOnDNSNode             enroll.Variant
@@ -57,7 +58,7 @@ func readOf(t *testing.T, p *corev1.Pod) podRead {
 		Deleting: p.DeletionTimestamp != nil, Controller: metav1.GetControllerOf(p), NodeName: p.Spec.NodeName,
 		ServiceAccount: p.Spec.ServiceAccountName, HostNetwork: p.Spec.HostNetwork, Phase: p.Status.Phase, PodIP: p.Status.PodIP,
 		PodIPs: p.Status.PodIPs, SandboxReady: sandboxReady, EventRef: ref,
-		Gated: enrollment.HasRedirectedGate(p), Redirected: redirected,
+		Gated: enrollment.HasRedirectedGate(p), Redirected: redirected, Created: p.CreationTimestamp,
 		Variant: variantOf(enroll.Variant{}, slog.New(slog.DiscardHandler))(p), VariantOnDNSNode: variantOf(enroll.Variant{DNSCapture: true}, slog.New(slog.DiscardHandler))(p)}
 }
 

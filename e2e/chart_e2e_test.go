@@ -126,7 +126,7 @@ func TestE2EChartInstallUpgradeUninstall(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("timed out waiting for the upgraded agent Ready")
+			t.Fatalf("timed out waiting for the upgraded agent Ready; the agent pods:\n%s", agentPodsReport(client))
 		}
 		time.Sleep(20 * time.Millisecond) // sampling the conflist, not synchronising
 	}

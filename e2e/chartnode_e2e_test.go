@@ -16,6 +16,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/ptr"
 
 	"github.com/inpod-dev/inpod/e2e/chart"
 	"github.com/inpod-dev/inpod/e2e/cluster"
@@ -146,24 +148,36 @@ func bareChartNode(ctx context.Context, t *testing.T, root string) *chartNode {
 	// know why, and the pod's record goes with the uninstall.
 	t.Cleanup(func() {
 		if t.Failed() {
-			t.Logf("the agent pods at the failure:\n%s", c.agentPodsReport())
+			t.Logf("the agent pods at the failure:\n%s", agentPodsReport(c.Client))
 		}
 	})
 	return c
 }
 
-// agentPodsReport is each agent pod's restarts and last termination, and
-// the tail of its previous container's log when it restarted.
-func (c *chartNode) agentPodsReport() string {
+// agentPodsReport is each agent pod's state, restarts and last
+// termination, its events, the tail of its log, and of its previous
+// container's when it restarted.
+func agentPodsReport(client kubernetes.Interface) string {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	pods, err := c.Client.CoreV1().Pods(chart.Namespace).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=agent"})
+	pods, err := client.CoreV1().Pods(chart.Namespace).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=agent"})
 	if err != nil {
 		return fmt.Sprintf("  list: %v", err)
 	}
 	var b strings.Builder
 	for _, p := range pods.Items {
-		fmt.Fprintf(&b, "  %s (uid %s) phase %s\n", p.Name, p.UID, p.Status.Phase)
+		fmt.Fprintf(&b, "  %s (uid %s) phase %s deleting %v\n", p.Name, p.UID, p.Status.Phase, p.DeletionTimestamp != nil)
+		for _, c := range p.Status.Conditions {
+			fmt.Fprintf(&b, "    condition %s=%s %s %s\n", c.Type, c.Status, c.Reason, c.Message)
+		}
+		if evs, err := client.CoreV1().Events(p.Namespace).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + p.Name}); err == nil {
+			for _, e := range evs.Items {
+				fmt.Fprintf(&b, "    event %s %s (x%d): %s\n", e.Type, e.Reason, e.Count, e.Message)
+			}
+		}
+		if logs, err := client.CoreV1().Pods(p.Namespace).GetLogs(p.Name, &corev1.PodLogOptions{TailLines: ptr.To[int64](30)}).DoRaw(ctx); err == nil {
+			fmt.Fprintf(&b, "    log's last lines:\n      %s\n", strings.ReplaceAll(strings.TrimSpace(string(logs)), "\n", "\n      "))
+		}
 		for _, s := range p.Status.ContainerStatuses {
 			fmt.Fprintf(&b, "    container %s ready=%v restarts=%d", s.Name, s.Ready, s.RestartCount)
 			if t := s.LastTerminationState.Terminated; t != nil {

@@ -23,6 +23,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/kubernetes"
 
 	"golang.org/x/sys/unix"
 
@@ -258,6 +259,8 @@ type soak struct {
 	nodeDown []interval
 	ready    []readySample
 	revision int
+	// agentRevision is the agent DaemonSet's, as revision.
+	agentRevision int
 	// standinKills are the moments a stand-in was SIGKILLed.
 	standinKills []time.Time
 	// judged keeps every judged pod, deleted or not, for the end checks.
@@ -497,7 +500,27 @@ func (s *soak) churn(ctx context.Context, r *rand.Rand) {
 
 // --- faults ------------------------------------------------------------
 
-var faultKinds = []string{"agent-sigkill", "agent-pod-delete", "standin-kill", "standin-upgrade", "kubelet-restart",
+// failedADDsSince lists the kubelet's FailedCreatePodSandBox events in ns
+// last seen at or after since (whole seconds), as "pod: message".
+func failedADDsSince(ctx context.Context, client kubernetes.Interface, ns string, since time.Time) []string {
+	evs, err := client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "reason=FailedCreatePodSandBox"})
+	if err != nil {
+		return []string{"events unreadable: " + err.Error()}
+	}
+	var out []string
+	for _, e := range evs.Items {
+		last := e.LastTimestamp.Time
+		if last.IsZero() {
+			last = e.EventTime.Time
+		}
+		if !last.Before(since.Truncate(time.Second)) {
+			out = append(out, e.InvolvedObject.Name+": "+e.Message)
+		}
+	}
+	return out
+}
+
+var faultKinds = []string{"agent-sigkill", "agent-pod-delete", "agent-upgrade", "standin-kill", "standin-upgrade", "kubelet-restart",
 	"conflist-clobber", "primary-rewrite-agent-down", "apiserver-stop", "namespace-flip", "rules-flush"}
 
 // errNoTarget: the fault found nothing to strike; it is neither injected
@@ -575,6 +598,31 @@ func (s *soak) fault(kind string, r *rand.Rand) error {
 			name := agentReady(s.t, s.ctx, s.c.Node)
 			return name != "" && name != old, nil
 		})
+	case "agent-upgrade":
+		// A new template: the chart's surge starts the new agent beside
+		// the old one, which hands the node over. Not one enrolled pod's
+		// CNI ADD may fail meanwhile.
+		from := time.Now()
+		s.agentRevision++
+		patch := fmt.Sprintf(`{"spec":{"template":{"metadata":{"annotations":{"soak/agent-revision":"%d"}}}}}`, s.agentRevision)
+		if _, err := client.AppsV1().DaemonSets(chart.Namespace).Patch(s.ctx, "inpod-agent", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+			return err
+		}
+		err := testkit.Poll(3*time.Minute, "the agent rolled out", func() (bool, error) {
+			ds, err := client.AppsV1().DaemonSets(chart.Namespace).Get(s.ctx, "inpod-agent", metav1.GetOptions{})
+			if err != nil || ds.Status.ObservedGeneration < ds.Generation || ds.Status.UpdatedNumberScheduled != 1 ||
+				ds.Status.NumberAvailable != 1 || ds.Status.DesiredNumberScheduled != 1 {
+				return false, nil
+			}
+			pods, err := client.CoreV1().Pods(chart.Namespace).List(s.ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=agent"})
+			return err == nil && len(pods.Items) == 1, nil
+		})
+		if err != nil {
+			return err
+		}
+		if failed := failedADDsSince(s.ctx, client, "mesh", from); len(failed) > 0 {
+			s.violate("agent upgrade (hand-over): %d enrolled pods' CNI ADDs failed, want 0: %s", len(failed), strings.Join(failed, "; "))
+		}
 	case "standin-upgrade":
 		// A new template: the DaemonSet starts the new stand-in (it
 		// connects; the agent sends it the snapshot), then stops the old.
