@@ -714,12 +714,13 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(s
 		if err := a.serveNode(p); err != nil {
 			return err
 		}
-		if a.tookOver {
-			run("ztunnel back", func(ctx context.Context) error { a.awaitZtunnel(ctx, p, handoverZtunnelWait); return nil })
-		}
 		a.startNodeWriters(p, run)
 	}
-	a.restore(ctx, p.pods, p.probes)
+	var fresh []*corev1.Pod
+	if a.tookOver {
+		fresh = a.freshPods(ctx, p)
+	}
+	a.restore(ctx, p.pods, p.probes, fresh)
 	if claiming {
 		// After the restore, which takes each running pod's lock: an ADD
 		// holding one while it waits for ztunnel would hold the restore,
@@ -757,6 +758,9 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(s
 		}
 	}()
 	run("zds readiness", func(ctx context.Context) error { a.followZtunnel(ctx, p); return nil })
+	if a.tookOver {
+		run("ztunnel back", func(ctx context.Context) error { a.awaitZtunnel(ctx, p, handoverZtunnelWait); return nil })
+	}
 	run("verifier", func(ctx context.Context) error { p.verifier.run(ctx); return nil })
 	run("sandbox check", func(ctx context.Context) error {
 		checkSandboxes(ctx, sandboxCheckInterval, p.pipeline.Enrolled, p.queue)
@@ -777,22 +781,24 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(s
 		lingering = append(lingering, dp)
 		runToEnd("gate "+gate.Name(), func(ctx context.Context) error { return gate.Run(ctx, a.Ready) })
 	}
-	if cfg.HandoverSocket != "" {
-		runToEnd("hand-over", func(ctx context.Context) error {
-			return a.serveHandover(ctx, p, handoverLn, rank, func() {
-				retire()
-				for _, dp := range lingering {
-					dp.Retire(handoverLinger)
-				}
-			})
-		})
-	}
 	if cfg.ReleaseStartupMemory {
 		run("start-up memory release", func(ctx context.Context) error { a.releaseStartupMemory(ctx, p.activity); return nil })
 	}
 	run("observability", func(ctx context.Context) error {
 		return observe.Serve(ctx, a.log, cfg.HealthAddr, cfg.MetricsAddr, a.Metrics, a.Ready, cfg.DebugPprof)
 	})
+	// Last: a hand-over stops the pieces started above (retire waits for
+	// them), so none may start after it can begin.
+	if cfg.HandoverSocket != "" {
+		runToEnd("hand-over", func(ctx context.Context) error {
+			return a.serveHandover(ctx, p, handoverLn, rank, func() {
+				for _, dp := range lingering {
+					dp.Retire(handoverLinger)
+				}
+				retire()
+			})
+		})
+	}
 	return nil
 }
 
@@ -837,8 +843,11 @@ func (a *Agent) Pipeline() *enroll.Pipeline { return a.pipeline }
 // proxy and the prune keeps its probe exemption, since its rules still point
 // at both. The informers' initial list queues every pod as well, so the
 // reconciler retries what failed here.
-func (a *Agent) restore(ctx context.Context, pods *podCache, probes *redirect.HostProbes) {
+func (a *Agent) restore(ctx context.Context, pods *podCache, probes *redirect.HostProbes, fresh []*corev1.Pod) {
 	all, _ := pods.pods.List(labels.Everything())
+	if fresh != nil {
+		all = fresh
+	}
 	inCache := make(map[types.UID]bool, len(all))
 	for _, p := range all {
 		inCache[p.UID] = true

@@ -12,6 +12,9 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 
 	"github.com/inpod-dev/inpod/agent/handover"
 	"github.com/inpod-dev/inpod/internal/unixsock"
@@ -41,10 +44,12 @@ const (
 	// successor's start, a restore, reading the Node's pod capacity and
 	// handoverRegisterWait.
 	handoverLinger = 2 * time.Minute
-	// handoverZtunnelWait bounds how long, from the take-over, a
-	// successor keeps enrolled pods' ADDs waiting for ztunnel: its restore
-	// and ztunnel's reconnection.
+	// handoverZtunnelWait bounds how long, from serving the ZDS socket
+	// again, a successor keeps enrolled pods' ADDs waiting for ztunnel to
+	// reconnect.
 	handoverZtunnelWait = 20 * time.Second
+	// freshListWait bounds a successor's list of the node's pods.
+	freshListWait = 10 * time.Second
 	// resumeGrace bounds how long readiness stays held after a hand-over
 	// that did not happen, for ztunnel to reconnect.
 	resumeGrace = 5 * time.Second
@@ -200,6 +205,30 @@ func (a *Agent) claim(ctx context.Context, p *pieces, rank int64) (*net.UnixList
 	}
 }
 
+// freshPods lists the node's pods from the API server, trimmed as the
+// watch trims them: after a take-over, the restore reads them, not the
+// watch, which synced while the agent before still served (a pod it
+// enrolled just before the hand-over, missing from the restore, would lose
+// its record and probe exemption to the prune and be left out of
+// ztunnel's first snapshot). nil when the API does not answer: the watch
+// is trusted then.
+func (a *Agent) freshPods(ctx context.Context, p *pieces) []*corev1.Pod {
+	lctx, cancel := context.WithTimeout(ctx, freshListWait)
+	defer cancel()
+	list, err := p.client.CoreV1().Pods("").List(lctx, metav1.ListOptions{
+		FieldSelector: fields.OneTermEqualSelector("spec.nodeName", a.cfg.NodeName).String()})
+	if err != nil {
+		a.log.Warn("cannot list the node's pods after the take-over; restoring from the watch", "err", err)
+		return nil
+	}
+	out := make([]*corev1.Pod, 0, len(list.Items))
+	for i := range list.Items {
+		t, _ := trimPod(&list.Items[i])
+		out = append(out, t.(*corev1.Pod))
+	}
+	return out
+}
+
 // podReadiness is the agent pod's readiness (Config.ProbeSocket).
 func (a *Agent) podReadiness() (bool, string) {
 	switch {
@@ -252,6 +281,7 @@ func (a *Agent) adopt(p *pieces, files map[string]*os.File) (_ *net.UnixListener
 		return nil, err
 	}
 	a.tookOver = true
+	a.waitingForExit.Store(false)
 	p.ztunnelBack = make(chan struct{})
 	a.Metrics.HandedOver("taken")
 	a.log.Info("took the node over from the agent serving it: serving its CNI, ZDS and hand-over sockets")

@@ -277,11 +277,25 @@ func (p *Plugin) Run(ctx context.Context, ready *readiness.Aggregate) error {
 
 	if p.registerWait > 0 {
 		p.awaitingRegistration.Store(true)
-		p.waitHealthy(ctx, p.registerWait)
+		healthy := p.waitHealthy(ctx, p.registerWait)
 		p.awaitingRegistration.Store(false)
+		p.mu.Lock()
+		failing := p.failing
+		p.mu.Unlock()
+		if !healthy && ctx.Err() == nil && !p.isRetired() && p.closeFor(failing) {
+			// Registered Unhealthy, this plugin would turn the devices
+			// Unhealthy under the Healthy ones of the agent before: close
+			// first, as for a readiness dip.
+			p.close(ctx, p.cfg.CloseTimeout, "not ready after a take-over", failing)
+		}
 	}
 	registrations := 0
 	for {
+		if p.isRetired() {
+			// Retired before it registered (a second rollout): the
+			// successor's plugin serves the resource.
+			return nil
+		}
 		srv, err := p.serve()
 		if err != nil {
 			return err
@@ -297,6 +311,12 @@ func (p *Plugin) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		// too (the kubelet keeps the devices Healthy while one plugin of
 		// the resource remains), then stopped without a close; closed
 		// as at a stop if none comes.
+		if reason == reasonRetired {
+			// Readiness is held as it was; a close or KeepClosed of a dip
+			// in flight must not land beside the successor's plugin.
+			stopFollowing()
+			<-followed
+		}
 		quiet := reason == reasonRetired && p.linger(ctx, w)
 		stopping := ctx.Err() != nil || reason == reasonRetired
 		closed := false
@@ -411,9 +431,9 @@ func (p *Plugin) siblingServes() bool {
 	return false
 }
 
-// waitHealthy returns once the devices are Healthy, after wait, or when
-// ctx ends.
-func (p *Plugin) waitHealthy(ctx context.Context, wait time.Duration) {
+// waitHealthy returns true once the devices are Healthy, false after wait,
+// when ctx ends or the plugin is retired.
+func (p *Plugin) waitHealthy(ctx context.Context, wait time.Duration) bool {
 	changes, cancel := p.devices.Subscribe()
 	defer cancel()
 	timer := time.NewTimer(wait)
@@ -422,13 +442,16 @@ func (p *Plugin) waitHealthy(ctx context.Context, wait time.Duration) {
 	for !p.isHealthy() {
 		select {
 		case <-ctx.Done():
-			return
+			return false
+		case <-p.retired:
+			return false
 		case <-timer.C:
 			p.log.Warn("the node is not ready after the wait; registering anyway, reporting it", "waited", wait)
-			return
+			return false
 		case <-changes:
 		}
 	}
+	return true
 }
 
 // serve starts the gRPC server on a fresh socket.
