@@ -740,7 +740,7 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(s
 		return nil
 	})
 
-	if err := a.listenZDS(ctx, p, claiming); err != nil {
+	if err := a.listenZDS(ctx, p); err != nil {
 		return err
 	}
 	// ztunnel's grace runs from here: before, it could not connect.

@@ -110,15 +110,16 @@ func (a *Agent) serveNode(p *pieces) error {
 
 // zdsFreeWait bounds how long an agent that bound the CNI socket after the
 // agent before stopped waits for that agent's ZDS server, which outlives
-// its other pieces at shutdown, to let the ZDS socket go.
+// its other pieces at shutdown, to let the ZDS socket go: the agent of a
+// pod deleted is still stopping when the DaemonSet's surge starts the next.
 const zdsFreeWait = 30 * time.Second
 
 // listenZDS opens the ZDS socket (a no-op when taken over).
-func (a *Agent) listenZDS(ctx context.Context, p *pieces, claimed bool) error {
+func (a *Agent) listenZDS(ctx context.Context, p *pieces) error {
 	deadline := time.Now().Add(zdsFreeWait)
 	for {
 		err := p.zds.Listen()
-		if err == nil || !claimed || !errors.Is(err, unixsock.ErrInUse) || time.Now().After(deadline) {
+		if err == nil || a.cfg.HandoverSocket == "" || !errors.Is(err, unixsock.ErrInUse) || time.Now().After(deadline) {
 			return err
 		}
 		select {

@@ -138,13 +138,16 @@ func TestE2EMission(t *testing.T) {
 	// (a restart: inpod stays on the node) and the new one crash-loops.
 	// (Taking the node out of the DaemonSet instead is a removal from the
 	// node: TestE2ENodeLeavesTheDaemonSet.)
+	// away replaces the agent by one that cannot start, or back. The
+	// chart's surge would keep the working agent until the new one is
+	// ready (never, for this one): the replacement rolls without one.
 	away := func(t *testing.T, on bool) {
 		t.Helper()
-		env := `{"name":"INPOD_CNI_SOURCE_DIR","value":"/no-such-dir"}`
+		env, strategy := `{"name":"INPOD_CNI_SOURCE_DIR","value":"/no-such-dir"}`, `{"maxSurge":0,"maxUnavailable":1}`
 		if !on {
-			env = `{"name":"INPOD_CNI_SOURCE_DIR","$patch":"delete"}`
+			env, strategy = `{"name":"INPOD_CNI_SOURCE_DIR","$patch":"delete"}`, `{"maxSurge":1,"maxUnavailable":0}`
 		}
-		patch := `{"spec":{"template":{"spec":{"containers":[{"name":"agent","env":[` + env + `]}]}}}}`
+		patch := `{"spec":{"updateStrategy":{"rollingUpdate":` + strategy + `},"template":{"spec":{"containers":[{"name":"agent","env":[` + env + `]}]}}}}`
 		if _, err := client.AppsV1().DaemonSets(chart.Namespace).Patch(ctx, "inpod-agent", types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 			t.Fatal(err)
 		}
