@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os"
 	"path/filepath"
@@ -285,6 +286,10 @@ func (cp *ControlPlane) Logs(name string, lines int) string {
 	return tail(filepath.Join(cp.cfg.Root, "logs", name+".log"), lines)
 }
 
+// freePorts picks n ports free on every address, below the kernel's
+// ephemeral range (32768 and up by default): a port the kernel hands out
+// for :0 may be taken by an outgoing connection between the check and the
+// component's bind (CI: kube-controller-manager "address already in use").
 func freePorts(n int) ([]int, error) {
 	var ports []int
 	var lns []net.Listener
@@ -293,16 +298,23 @@ func freePorts(n int) ([]int, error) {
 			l.Close()
 		}
 	}()
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
+	for attempt := 0; len(ports) < n; attempt++ {
+		if attempt > 1000 {
+			return nil, fmt.Errorf("cluster: no %d free ports in %d-%d", n, firstPort, lastPort)
+		}
+		port := firstPort + rand.IntN(lastPort-firstPort)
+		l, err := net.Listen("tcp", fmt.Sprintf(":%d", port))
 		if err != nil {
-			return nil, err
+			continue
 		}
 		lns = append(lns, l)
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+		ports = append(ports, port)
 	}
 	return ports, nil
 }
+
+// The range freePorts picks from.
+const firstPort, lastPort = 20000, 32000
 
 // primaryIP is the machine's own address: the one on the interface of the
 // default route. The node registers with it; no traffic leaves the machine.
