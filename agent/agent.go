@@ -617,7 +617,7 @@ func (a *Agent) start(parent context.Context, p *pieces) error {
 		})
 	}
 	retire := func() {
-		stopPieces(readiness.ErrHandedOver)
+		stopPieces(errHandedOver)
 		done := make(chan struct{})
 		go func() { pieces.Wait(); close(done) }()
 		select {

@@ -78,6 +78,9 @@ func (a *Agent) awaitZtunnel(ctx context.Context, p *pieces, wait time.Duration)
 	}
 }
 
+// errHandedOver ends the pieces of an agent that handed the node over.
+var errHandedOver = errors.New("agent: handed the node over to its successor")
+
 // Names under which the agent passes its sockets.
 const (
 	handoverCNI = "cni"

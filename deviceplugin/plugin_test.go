@@ -297,6 +297,35 @@ func (c *closer) CloseScheduling(ctx context.Context) error {
 	}
 }
 
+// healthyPlugin is a plugin Run by the test (done gets Run's result;
+// cancel stops it), Healthy at a kubelet stand-in, closing through c.
+type healthyPlugin struct {
+	k      *kubelettest.Kubelet // its Dir is the plugin directory
+	c      *closer
+	p      *deviceplugin.Plugin
+	ready  *readiness.Aggregate
+	done   chan error
+	cancel context.CancelFunc
+}
+
+func runHealthyWithCloser(t *testing.T) *healthyPlugin {
+	t.Helper()
+	dir := t.TempDir()
+	hp := &healthyPlugin{k: startKubelet(t, dir), ready: newReady(), done: make(chan error, 1)}
+	hp.c = newCloser(hp.k)
+	p, err := deviceplugin.New(deviceplugin.Config{PluginDir: dir, Devices: 8, Closer: hp.c, CloseTimeout: deviceplugin.MaxCloseTimeout})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hp.p = p
+	ctx, cancel := context.WithCancel(context.Background())
+	hp.cancel = cancel
+	go func() { hp.done <- p.Run(ctx, hp.ready) }()
+	hp.ready.Set("test", true, "")
+	eventually(t, "healthy", func() bool { return hp.k.Allocatable(res) == 8 })
+	return hp
+}
+
 // startHealthyWithCloser starts a kubelet stand-in and a plugin closing
 // through a test closer, and turns every condition of ready true.
 func startHealthyWithCloser(t *testing.T, ready *readiness.Aggregate, timeout time.Duration) (*kubelettest.Kubelet, *closer) {
@@ -466,20 +495,9 @@ func TestCloseTimeoutIsBounded(t *testing.T) {
 // The agent stopping closes too, before the plugin's stream ends (the
 // kubelet turns every device Unhealthy then).
 func TestStoppingClosesBeforeTheStreamEnds(t *testing.T) {
-	dir := t.TempDir()
-	k := startKubelet(t, dir)
-	ready := newReady()
-	c := newCloser(k)
-	p, err := deviceplugin.New(deviceplugin.Config{PluginDir: dir, Devices: 8, Closer: c, CloseTimeout: deviceplugin.MaxCloseTimeout})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
+	hp := runHealthyWithCloser(t)
+	c, p, done, cancel := hp.c, hp.p, hp.done, hp.cancel
 	defer cancel()
-	done := make(chan error, 1)
-	go func() { done <- p.Run(ctx, ready) }()
-	ready.Set("test", true, "")
-	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
 	cancel()
 	if n := c.called(t); n != 8 {
 		t.Fatalf("the close began with %d devices Healthy, want 8", n)
@@ -511,20 +529,9 @@ func TestStoppingClosesBeforeTheStreamEnds(t *testing.T) {
 // kubelet got from it are Healthy. A retired plugin no successor joins
 // closes the gate at the end of its linger, as at a stop.
 func TestRetiredStopsWithoutClosingOnceTheSuccessorServes(t *testing.T) {
-	dir := t.TempDir()
-	k := startKubelet(t, dir)
-	ready := newReady()
-	c := newCloser(k)
-	p, err := deviceplugin.New(deviceplugin.Config{PluginDir: dir, Devices: 8, Closer: c, CloseTimeout: deviceplugin.MaxCloseTimeout})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
+	hp := runHealthyWithCloser(t)
+	k, c, p, done, cancel := hp.k, hp.c, hp.p, hp.done, hp.cancel
 	defer cancel()
-	done := make(chan error, 1)
-	go func() { done <- p.Run(ctx, ready) }()
-	ready.Set("test", true, "")
-	eventually(t, "healthy", func() bool { return k.Allocatable(res) == 8 })
 	retired := time.Now()
 	p.Retire(time.Minute)
 	select {
@@ -534,7 +541,7 @@ func TestRetiredStopsWithoutClosingOnceTheSuccessorServes(t *testing.T) {
 	}
 	successorReady := newReady()
 	successorReady.Set("test", true, "")
-	startPlugin(t, dir, successorReady, nil)
+	startPlugin(t, hp.k.Dir, successorReady, nil)
 	select {
 	case err := <-done:
 		if err != nil {
@@ -552,23 +559,15 @@ func TestRetiredStopsWithoutClosingOnceTheSuccessorServes(t *testing.T) {
 		t.Fatalf("a retired plugin sent Unhealthy devices at %v", u.At)
 	}
 
-	dir2 := t.TempDir()
-	k2 := startKubelet(t, dir2)
-	c2 := newCloser(k2)
-	close(c2.release)
-	alone, err := deviceplugin.New(deviceplugin.Config{PluginDir: dir2, Devices: 8, Closer: c2, CloseTimeout: deviceplugin.MaxCloseTimeout})
-	if err != nil {
-		t.Fatal(err)
-	}
-	done2 := make(chan error, 1)
-	go func() { done2 <- alone.Run(context.Background(), ready) }()
-	eventually(t, "healthy", func() bool { return k2.Allocatable(res) == 8 })
-	alone.Retire(200 * time.Millisecond)
-	if n := c2.called(t); n != 8 {
+	lone := runHealthyWithCloser(t)
+	defer lone.cancel()
+	close(lone.c.release)
+	lone.p.Retire(200 * time.Millisecond)
+	if n := lone.c.called(t); n != 8 {
 		t.Fatalf("the close began with %d devices Healthy, want 8", n)
 	}
 	select {
-	case err := <-done2:
+	case err := <-lone.done:
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -6,7 +6,6 @@
 package readiness
 
 import (
-	"errors"
 	"log/slog"
 	"slices"
 	"sort"
@@ -21,13 +20,6 @@ const (
 	ZtunnelConnected = "ztunnel-connected"
 	PodsSynced       = "pods-synced"
 )
-
-// ErrHandedOver is the cause of a gate's context ending because its agent
-// handed the node over to a successor on the same node (package
-// agent/handover): the node stays ready under the successor, so a gate
-// stops without closing (no Unhealthy devices, no allocatable zeroed, no
-// taint).
-var ErrHandedOver = errors.New("the agent handed the node over to its successor")
 
 // State is the aggregate at one moment.
 type State struct {

@@ -338,9 +338,7 @@ func (s *Socket) Serve(ctx context.Context, handle func(*net.UnixConn)) error {
 // ctx ends first, s accepts again and Hold returns ctx's error. Release or
 // Retire ends a Hold that succeeded.
 func (s *Socket) Hold(ctx context.Context, end func()) (*os.File, error) {
-	s.mu.Lock()
-	ln := s.ln
-	s.mu.Unlock()
+	ln := s.current()
 	if ln == nil {
 		return nil, fmt.Errorf("%s: not listening", s.path)
 	}
@@ -383,12 +381,17 @@ func (s *Socket) Hold(ctx context.Context, end func()) (*os.File, error) {
 	return f, nil
 }
 
+// current is the listening socket (nil before Listen or Adopt).
+func (s *Socket) current() *net.UnixListener {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.ln
+}
+
 // Release ends a Hold: s accepts again, starting with what waited in the
 // backlog.
 func (s *Socket) Release() {
-	s.mu.Lock()
-	ln := s.ln
-	s.mu.Unlock()
+	ln := s.current()
 	h := &s.h
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -404,9 +407,7 @@ func (s *Socket) Release() {
 // process and its path stays, for the process the socket was handed to.
 // Serve returns nil once the handlers in flight have returned.
 func (s *Socket) Retire() {
-	s.mu.Lock()
-	ln := s.ln
-	s.mu.Unlock()
+	ln := s.current()
 	h := &s.h
 	h.mu.Lock()
 	defer h.mu.Unlock()
