@@ -6,6 +6,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -53,6 +54,14 @@ type streamResult struct {
 	failedADDs int
 	// unfinished: neither Ready nor Failed by the deadline.
 	unfinished int
+	// warnings counts the kubelet's Warning events on the stream's pods by
+	// reason, with one message each: where a pod waited beyond its start.
+	warnings      map[string]int
+	warningSample map[string]string
+	// readyAt is each Ready pod's time from the stream's start, for the
+	// timeline that shows when the node stalled.
+	readyAt []time.Duration
+	start   time.Time
 }
 
 // benchRollout measures what an agent rollout does to enrolled pods being
@@ -63,7 +72,12 @@ type streamResult struct {
 func benchRollout(ctx context.Context, b *testing.B, c kubernetes.Interface, target chart.Target, repo, tag string, values []string) {
 	const ns = "churn"
 	ensureNamespace(ctx, b, c, ns, map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient})
+	quiet := sandboxCount(b)
 	base := podStream(ctx, b, c, ns, "steady", nil)
+	// The pods are gone from the API before the kubelet has torn their
+	// sandboxes down: the second stream starts on a node as quiet as the
+	// first did, or it would be judged on the first one's teardown.
+	waitQuiet(ctx, b, quiet)
 	upgraded := make(chan time.Duration, 1)
 	logs := followAgentLogs(ctx, b, c, "deviceplugin")
 	roll := podStream(ctx, b, c, ns, "rollout", func() {
@@ -80,6 +94,9 @@ func benchRollout(ctx context.Context, b *testing.B, c kubernetes.Interface, tar
 	for _, l := range logs() {
 		b.Logf("the old agent: %s", l)
 	}
+	for _, l := range agentLogLines(ctx, b, c, handoverLine) {
+		b.Logf("the new agent: %s", l)
+	}
 	for _, r := range []struct {
 		name string
 		got  streamResult
@@ -87,6 +104,10 @@ func benchRollout(ctx context.Context, b *testing.B, c kubernetes.Interface, tar
 		b.Logf("%s: %d pods Ready, %d rejected %v, %d failed CNI ADDs (FailedCreatePodSandBox events), %d unfinished; create → Ready median %s, p99 %s",
 			r.name, len(r.got.ready), len(r.got.rejected), r.got.rejected, r.got.failedADDs, r.got.unfinished,
 			quantile(r.got.ready, 0.5).Round(time.Millisecond), quantile(r.got.ready, 0.99).Round(time.Millisecond))
+		for reason, n := range r.got.warnings {
+			b.Logf("%s: %d %s events, e.g. %q", r.name, n, reason, r.got.warningSample[reason])
+		}
+		b.Logf("%s: pods Ready per 10 s from the stream's start: %v", r.name, timeline(r.got.readyAt, 10*time.Second))
 	}
 	benchreport.Record(b, benchreport.Figure{Section: RolloutSection,
 		Name:  fmt.Sprintf("pods rejected by the kubelet (UnexpectedAdmissionError) during the rollout, of %d", streamPods),
@@ -148,6 +169,7 @@ func podStream(ctx context.Context, b *testing.B, c kubernetes.Interface, ns, pr
 			case podReady(p):
 				done[p.Name] = true
 				res.ready = append(res.ready, time.Since(at))
+				res.readyAt = append(res.readyAt, time.Since(res.start))
 			}
 			finish := done[p.Name]
 			all := len(done) == streamPods
@@ -163,6 +185,9 @@ func podStream(ctx context.Context, b *testing.B, c kubernetes.Interface, ns, pr
 	var bg sync.WaitGroup
 	tick := time.NewTicker(streamEvery)
 	defer tick.Stop()
+	mu.Lock()
+	res.start = time.Now()
+	mu.Unlock()
 	for i := range streamPods {
 		if i == rolloutAfter && during != nil {
 			bg.Go(during)
@@ -200,8 +225,106 @@ func podStream(ctx context.Context, b *testing.B, c kubernetes.Interface, ns, pr
 			res.failedADDs += int(max(e.Count, 1))
 		}
 	}
+	warnings, err := c.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "type=Warning"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	res.warnings, res.warningSample = map[string]int{}, map[string]string{}
+	for _, e := range warnings.Items {
+		if strings.HasPrefix(e.InvolvedObject.Name, prefix+"-") {
+			res.warnings[e.Reason] += int(max(e.Count, 1))
+			res.warningSample[e.Reason] = e.Message
+		}
+	}
 	deletePodsBySelector(ctx, b, c, ns, sel)
 	return res
+}
+
+// sandboxCount is the number of pod sandboxes on the node: the runtime's
+// cni- netns.
+func sandboxCount(b *testing.B) int {
+	b.Helper()
+	entries, err := os.ReadDir("/run/netns")
+	if err != nil {
+		b.Fatal(err)
+	}
+	n := 0
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), "cni-") {
+			n++
+		}
+	}
+	return n
+}
+
+// waitQuiet waits, for at most 3 minutes, until the node runs no more
+// sandboxes than it did quiet.
+func waitQuiet(ctx context.Context, b *testing.B, quiet int) {
+	b.Helper()
+	start := time.Now()
+	deadline := time.NewTimer(3 * time.Minute)
+	defer deadline.Stop()
+	for sandboxCount(b) > quiet {
+		select {
+		case <-deadline.C:
+			b.Logf("the node still runs %d sandboxes (%d before the first stream); going on", sandboxCount(b), quiet)
+			return
+		case <-ctx.Done():
+			b.Fatal(ctx.Err())
+		case <-time.After(time.Second):
+		}
+	}
+	b.Logf("the node's sandboxes torn down %s after the first stream's pods left the API", time.Since(start).Round(time.Second))
+}
+
+// timeline counts the durations falling in each bucket of width from 0:
+// a saturated stream completes pods at the node's pace, so a stall shows as
+// a run of low counts.
+func timeline(at []time.Duration, width time.Duration) []int {
+	var counts []int
+	for _, d := range at {
+		i := int(d / width)
+		for len(counts) <= i {
+			counts = append(counts, 0)
+		}
+		counts[i]++
+	}
+	return counts
+}
+
+// handoverLine picks the agent's log lines that time a hand-over: its
+// start, the take-over, the restore, ztunnel and readiness.
+func handoverLine(l string) bool {
+	for _, s := range []string{"taking over", "took the node over", "restored enrolled pods", "handing the node over", "handed the node over",
+		"ztunnel", "ready", "synced", "waiting for the pod and namespace watches", "registered"} {
+		if strings.Contains(l, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// agentLogLines reads the running agent pod's log whole and keeps the
+// lines keep selects.
+func agentLogLines(ctx context.Context, b *testing.B, c kubernetes.Interface, keep func(string) bool) []string {
+	b.Helper()
+	pods, err := c.CoreV1().Pods(chart.Namespace).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=agent"})
+	if err != nil || len(pods.Items) != 1 {
+		b.Logf("the agent pod: %v (%d pods)", err, len(pods.Items))
+		return nil
+	}
+	raw, err := c.CoreV1().Pods(chart.Namespace).GetLogs(pods.Items[0].Name, &corev1.PodLogOptions{}).DoRaw(ctx)
+	if err != nil {
+		b.Logf("the agent's log: %v", err)
+		return nil
+	}
+	var lines []string
+	for l := range strings.Lines(string(raw)) {
+		if l = strings.TrimSpace(l); keep(l) {
+			lines = append(lines, l)
+		}
+	}
+	return lines
 }
 
 func podReady(p *corev1.Pod) bool {
@@ -278,7 +401,7 @@ func followAgentLogs(ctx context.Context, b *testing.B, c kubernetes.Interface, 
 		sc := bufio.NewScanner(stream)
 		sc.Buffer(make([]byte, 64*1024), 1024*1024)
 		for sc.Scan() {
-			if l := sc.Text(); strings.Contains(l, `"component":"`+component+`"`) || strings.Contains(l, "allocatable") {
+			if l := sc.Text(); strings.Contains(l, `"component":"`+component+`"`) || strings.Contains(l, "allocatable") || handoverLine(l) {
 				mu.Lock()
 				lines = append(lines, l)
 				mu.Unlock()

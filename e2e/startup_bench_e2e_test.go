@@ -256,10 +256,21 @@ func benchGateMode(ctx context.Context, b *testing.B, repo, imgDir string, m gat
 			_, err := client.AppsV1().DaemonSets(chart.Namespace).Get(ctx, "ztunnel-standin", metav1.GetOptions{})
 			return apierrors.IsNotFound(err)
 		})
-		pods, err := client.CoreV1().Pods(chart.Namespace).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=ztunnel-standin"})
-		if err != nil || len(pods.Items) != 1 {
-			b.Fatalf("the stand-in pod: %v (%d pods)", err, len(pods.Items))
-		}
+		// The one stand-in pod not already going: a rollout just before
+		// (the agent's, in the rollout benchmark) can leave one terminating.
+		var standInPod corev1.Pod
+		testkit.Eventually(b, time.Minute, "one stand-in pod", func() bool {
+			pods, err := client.CoreV1().Pods(chart.Namespace).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=ztunnel-standin"})
+			if err != nil {
+				return false
+			}
+			live := slices.DeleteFunc(pods.Items, func(p corev1.Pod) bool { return p.DeletionTimestamp != nil })
+			if len(live) != 1 {
+				return false
+			}
+			standInPod = live[0]
+			return true
+		})
 		if m.period > 0 {
 			select {
 			case <-time.After(rand.N(m.period)): // a random phase, not synchronisation
@@ -273,7 +284,7 @@ func benchGateMode(ctx context.Context, b *testing.B, repo, imgDir string, m gat
 		}
 		one := int64(1) // SIGTERM now: the stand-in exits on it
 		left := time.Now()
-		if err := client.CoreV1().Pods(chart.Namespace).Delete(ctx, pods.Items[0].Name, metav1.DeleteOptions{GracePeriodSeconds: &one}); err != nil {
+		if err := client.CoreV1().Pods(chart.Namespace).Delete(ctx, standInPod.Name, metav1.DeleteOptions{GracePeriodSeconds: &one}); err != nil {
 			b.Fatal(err)
 		}
 		seen := waitEvent(ctx, b, w, 2*time.Minute, m.seen, func(o any) bool { return m.closed(node, o) })
@@ -281,7 +292,7 @@ func benchGateMode(ctx context.Context, b *testing.B, repo, imgDir string, m gat
 		b.Logf("%s: stand-in pod deleted → %s: %s", m.name, m.seen, seen.Sub(left).Round(time.Millisecond))
 		// The old pod gone first: the next sample deletes the one pod there is.
 		testkit.Eventually(b, time.Minute, "the stand-in pod gone", func() bool {
-			_, err := client.CoreV1().Pods(chart.Namespace).Get(ctx, pods.Items[0].Name, metav1.GetOptions{})
+			_, err := client.CoreV1().Pods(chart.Namespace).Get(ctx, standInPod.Name, metav1.GetOptions{})
 			return apierrors.IsNotFound(err)
 		})
 		standIn()
