@@ -3,6 +3,7 @@ package podnetns_test
 import (
 	"fmt"
 	"net/netip"
+	"os"
 	"testing"
 	"time"
 
@@ -67,4 +68,65 @@ func BenchmarkFind(b *testing.B) {
 	benchreport.Record(b, benchreport.Figure{Section: "Sandbox checks (procfs)",
 		Name:  fmt.Sprintf("find a running pod's netns, node netns passed over (median; this machine + %d node processes)", hostProcesses),
 		Value: fast, Unit: "ms", FloorName: "the same scan reading every process's cgroup", Floor: all})
+}
+
+// restorePods is how many running pods BenchmarkRestoreSearch finds.
+const restorePods = 30
+
+// BenchmarkRestoreSearch measures what an agent's restore spends finding
+// every running pod's netns: one procfs snapshot and a search of it per pod
+// (agent.restore) against a procfs scan per pod (how it searched before),
+// with restorePods pods and hostProcesses node processes.
+func BenchmarkRestoreSearch(b *testing.B) {
+	netnstest.RequireRoot(b)
+	type pod struct {
+		uid string
+		ip  netip.Addr
+	}
+	var pods []pod
+	for i := range restorePods {
+		p := pod{uid: fmt.Sprintf("5e6f7a8b-9c0d-4e1f-8a2b-%012d", i), ip: netip.AddrFrom4([4]byte{198, 51, 100, byte(100 + i)})}
+		ns := netnstest.New(b)
+		ns.Exec(b, "ip", "addr", "add", p.ip.String()+"/32", "dev", "lo")
+		sleeper(b, ns, podCgroup(b, p.uid))
+		pods = append(pods, p)
+	}
+	for range hostProcesses {
+		sleeper(b, nil, "")
+	}
+	node, err := netns.IdentityOfPath("/proc/self/ns/net")
+	if err != nil {
+		b.Fatal(err)
+	}
+	finder := podnetns.Finder{NodeNetNS: node}
+	findAll := func(find func(uid string, ips []netip.Addr) (*os.File, error)) {
+		for _, p := range pods {
+			f, err := find(p.uid, []netip.Addr{p.ip})
+			if err != nil {
+				b.Fatal(err)
+			}
+			f.Close()
+		}
+	}
+	var snapshot, scans []time.Duration
+	b.ResetTimer()
+	for range b.N {
+		start := time.Now()
+		snap, err := finder.Snapshot()
+		if err != nil {
+			b.Fatal(err)
+		}
+		findAll(snap.Find)
+		snapshot = append(snapshot, time.Since(start))
+		start = time.Now()
+		findAll(finder.Find)
+		scans = append(scans, time.Since(start))
+	}
+	b.StopTimer()
+	med := func(ds []time.Duration) float64 { return benchreport.Ms(benchreport.Percentile(ds, 50)) }
+	b.ReportMetric(med(snapshot), "snapshot-ms")
+	b.ReportMetric(med(scans), "scans-ms")
+	benchreport.Record(b, benchreport.Figure{Section: "Sandbox checks (procfs)",
+		Name:  fmt.Sprintf("a restore's netns searches for %d running pods, one procfs snapshot (median; this machine + %d node processes)", restorePods, hostProcesses),
+		Value: med(snapshot), Unit: "ms", FloorName: "a procfs scan per pod", Floor: med(scans)})
 }

@@ -6,8 +6,10 @@ package podnetns
 
 import (
 	"bufio"
+	"cmp"
 	"errors"
 	"fmt"
+	"io"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -55,42 +57,76 @@ type candidate struct {
 // namespace to the pod's network (host-network containers of the same pod
 // share the host's).
 func (f Finder) Find(uid string, ips []netip.Addr) (*os.File, error) {
-	root := f.ProcRoot
-	if root == "" {
-		root = "/proc"
-	}
 	if uid == "" || len(ips) == 0 {
 		return nil, fmt.Errorf("podnetns: need the pod's uid and at least one IP")
 	}
+	needles := cgroupNeedles(uid)
+	var cands []candidate
+	err := f.walk(func(pid int, dir string) {
+		if inPodCgroup(filepath.Join(dir, "cgroup"), needles) {
+			cands = append(cands, candidate{pid: pid, start: startTime(filepath.Join(dir, "stat"))})
+		}
+	})
+	if err != nil {
+		return nil, err
+	}
+	return openHolding(f.root(), cands, needles, uid, ips)
+}
+
+func (f Finder) root() string {
+	if f.ProcRoot == "" {
+		return "/proc"
+	}
+	return f.ProcRoot
+}
+
+// cgroupNeedles are what a cgroup path of the pod's contains: its UID as
+// the cgroupfs driver writes it, and as the systemd driver does.
+func cgroupNeedles(uid string) []string {
+	return []string{"pod" + uid, "pod" + strings.ReplaceAll(uid, "-", "_")}
+}
+
+// walk calls visit for each process outside the node's netns.
+func (f Finder) walk(visit func(pid int, dir string)) error {
+	root := f.root()
 	entries, err := os.ReadDir(root)
 	if err != nil {
-		return nil, fmt.Errorf("podnetns: read %s: %w", root, err)
+		return fmt.Errorf("podnetns: read %s: %w", root, err)
 	}
 	skipNode := f.NodeNetNS != (netns.Identity{})
-	needles := []string{"pod" + uid, "pod" + strings.ReplaceAll(uid, "-", "_")}
-	var cands []candidate
 	for _, e := range entries {
 		pid, err := strconv.Atoi(e.Name())
 		if err != nil {
 			continue
 		}
+		dir := filepath.Join(root, e.Name())
 		if skipNode {
 			// A process whose netns cannot be stat'ed (gone, or not
 			// ours to inspect) could not be opened below either.
-			if id, err := netns.IdentityOfPath(filepath.Join(root, e.Name(), "ns", "net")); err != nil || id == f.NodeNetNS {
+			if id, err := netns.IdentityOfPath(filepath.Join(dir, "ns", "net")); err != nil || id == f.NodeNetNS {
 				continue
 			}
 		}
-		if !inPodCgroup(filepath.Join(root, e.Name(), "cgroup"), needles) {
-			continue
-		}
-		cands = append(cands, candidate{pid: pid, start: startTime(filepath.Join(root, e.Name(), "stat"))})
+		visit(pid, dir)
 	}
-	slices.SortFunc(cands, func(a, b candidate) int { return int(a.start) - int(b.start) })
+	return nil
+}
+
+// openHolding opens the netns of the oldest candidate that holds one of
+// ips. The candidate's cgroup is read again once its netns is open: a
+// process that exited since it was read and whose PID was reused is not
+// the pod's (a snapshot's candidates may be seconds old).
+func openHolding(root string, cands []candidate, needles []string, uid string, ips []netip.Addr) (*os.File, error) {
+	slices.SortFunc(cands, func(a, b candidate) int { return cmp.Compare(a.start, b.start) })
 	for _, c := range cands {
-		f, err := netns.Open(filepath.Join(root, strconv.Itoa(c.pid), "ns", "net"))
+		dir := filepath.Join(root, strconv.Itoa(c.pid))
+		f, err := netns.Open(filepath.Join(dir, "ns", "net"))
 		if err != nil {
 			continue // the process exited meanwhile
+		}
+		if !inPodCgroup(filepath.Join(dir, "cgroup"), needles) {
+			f.Close()
+			continue
 		}
 		if HoldsAny(f, ips) {
 			return f, nil
@@ -99,6 +135,65 @@ func (f Finder) Find(uid string, ips []netip.Addr) (*os.File, error) {
 	}
 	return nil, fmt.Errorf("%w: pod %s (%d processes in its cgroups, none in a netns holding %v)", ErrNotFound, uid, len(cands), ips)
 }
+
+// Snapshot is one pass over procfs for many searches in a row: an agent's
+// restore looks for every pod of the node, and a Find per pod reads every
+// process's cgroup again (70 pods took 6.5 s on a busy 2-CPU node). What
+// it holds can go stale: a process gone since is passed over, and a pod
+// whose processes started since is not found (the caller retries with a
+// Finder).
+type Snapshot struct {
+	root  string
+	procs []snapshotProcess
+}
+
+type snapshotProcess struct {
+	pid    int
+	dir    string
+	cgroup string
+}
+
+// maxCgroupFile bounds what a snapshot keeps of a process's cgroup file.
+const maxCgroupFile = 64 << 10
+
+// Snapshot reads the cgroup of every process outside the node's netns.
+func (f Finder) Snapshot() (*Snapshot, error) {
+	s := &Snapshot{root: f.root()}
+	err := f.walk(func(pid int, dir string) {
+		file, err := os.Open(filepath.Join(dir, "cgroup"))
+		if err != nil {
+			return
+		}
+		defer file.Close()
+		data, err := io.ReadAll(io.LimitReader(file, maxCgroupFile))
+		if err != nil {
+			return
+		}
+		s.procs = append(s.procs, snapshotProcess{pid: pid, dir: dir, cgroup: string(data)})
+	})
+	if err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// Find is Finder.Find among the processes of the snapshot.
+func (s *Snapshot) Find(uid string, ips []netip.Addr) (*os.File, error) {
+	if uid == "" || len(ips) == 0 {
+		return nil, fmt.Errorf("podnetns: need the pod's uid and at least one IP")
+	}
+	needles := cgroupNeedles(uid)
+	var cands []candidate
+	for _, p := range s.procs {
+		if slices.ContainsFunc(needles, func(n string) bool { return strings.Contains(p.cgroup, n) }) {
+			cands = append(cands, candidate{pid: p.pid, start: startTime(filepath.Join(p.dir, "stat"))})
+		}
+	}
+	return openHolding(s.root, cands, needles, uid, ips)
+}
+
+// Holds is HoldsAny.
+func (*Snapshot) Holds(ns *os.File, ips []netip.Addr) bool { return HoldsAny(ns, ips) }
 
 func inPodCgroup(path string, needles []string) bool {
 	file, err := os.Open(path)

@@ -66,6 +66,27 @@ func sleeper(t testing.TB, ns *netnstest.NetNS, cgroup string) int {
 	return cmd.Process.Pid
 }
 
+// finders are the two ways to search: a procfs scan per search, and one
+// snapshot of procfs taken for many.
+var finders = map[string]func(t *testing.T) interface {
+	Find(uid string, ips []netip.Addr) (*os.File, error)
+}{
+	"scan": func(*testing.T) interface {
+		Find(uid string, ips []netip.Addr) (*os.File, error)
+	} {
+		return podnetns.Finder{}
+	},
+	"snapshot": func(t *testing.T) interface {
+		Find(uid string, ips []netip.Addr) (*os.File, error)
+	} {
+		s, err := podnetns.Finder{}.Snapshot()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	},
+}
+
 func TestFindMatchesCgroupAndIP(t *testing.T) {
 	netnstest.RequireRoot(t)
 	uid := "6f1c2d3e-4a5b-4c6d-8e7f-0a1b2c3d4e5f"
@@ -79,25 +100,69 @@ func TestFindMatchesCgroupAndIP(t *testing.T) {
 	sleeper(t, nil, cg)
 	sleeper(t, pod, cg)
 
-	f, err := podnetns.Finder{}.Find(uid, []netip.Addr{netip.MustParseAddr("198.51.100.20")})
+	for name, finder := range finders {
+		t.Run(name, func(t *testing.T) {
+			finder := finder(t)
+			f, err := finder.Find(uid, []netip.Addr{netip.MustParseAddr("198.51.100.20")})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			got, _ := netns.IdentityOf(int(f.Fd()))
+			want, _ := netns.IdentityOfPath(pod.Path)
+			if got != want {
+				t.Fatalf("found netns %v, want the pod's %v", got, want)
+			}
+
+			_, err = finder.Find(uid, []netip.Addr{netip.MustParseAddr("198.51.100.21")})
+			if !errors.Is(err, podnetns.ErrNotFound) {
+				t.Fatalf("Find with an IP the pod lacks = %v, want ErrNotFound", err)
+			}
+			_, err = finder.Find("00000000-0000-0000-0000-000000000000", []netip.Addr{netip.MustParseAddr("198.51.100.20")})
+			if !errors.Is(err, podnetns.ErrNotFound) {
+				t.Fatalf("Find for another uid = %v, want ErrNotFound", err)
+			}
+		})
+	}
+}
+
+// A snapshot is read once: a process that left the pod's cgroup since (as
+// one whose PID was reused by another process would appear) is not taken
+// for the pod's, and one started since is not found.
+func TestSnapshotChecksItsCandidatesAgain(t *testing.T) {
+	netnstest.RequireRoot(t)
+	uid := "9c4d5e6f-7a8b-4c9d-8e0f-2a3b4c5d6e7f"
+	cg := podCgroup(t, uid)
+	pod := netnstest.New(t)
+	ip := netip.MustParseAddr("198.51.100.40")
+	pod.Exec(t, "ip", "addr", "add", ip.String()+"/32", "dev", "lo")
+	pid := sleeper(t, pod, cg)
+	snap, err := podnetns.Finder{}.Snapshot()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
-	got, _ := netns.IdentityOf(int(f.Fd()))
-	want, _ := netns.IdentityOfPath(pod.Path)
-	if got != want {
-		t.Fatalf("found netns %v, want the pod's %v", got, want)
+	// Out of the pod's cgroup, into its parent's.
+	if err := os.WriteFile(filepath.Join(filepath.Dir(cg), "cgroup.procs"), []byte(strconv.Itoa(pid)), 0o644); err != nil {
+		t.Fatal(err)
 	}
-
-	_, err = podnetns.Finder{}.Find(uid, []netip.Addr{netip.MustParseAddr("198.51.100.21")})
-	if !errors.Is(err, podnetns.ErrNotFound) {
-		t.Fatalf("Find with an IP the pod lacks = %v, want ErrNotFound", err)
+	if f, err := snap.Find(uid, []netip.Addr{ip}); !errors.Is(err, podnetns.ErrNotFound) {
+		if f != nil {
+			f.Close()
+		}
+		t.Fatalf("Find of a process no longer in the pod's cgroup = %v, want ErrNotFound", err)
 	}
-	_, err = podnetns.Finder{}.Find("00000000-0000-0000-0000-000000000000", []netip.Addr{netip.MustParseAddr("198.51.100.20")})
-	if !errors.Is(err, podnetns.ErrNotFound) {
-		t.Fatalf("Find for another uid = %v, want ErrNotFound", err)
+	sleeper(t, pod, cg)
+	if f, err := snap.Find(uid, []netip.Addr{ip}); !errors.Is(err, podnetns.ErrNotFound) {
+		if f != nil {
+			f.Close()
+		}
+		t.Fatalf("Find of a process started after the snapshot = %v, want ErrNotFound", err)
 	}
+	f, err := podnetns.Finder{}.Find(uid, []netip.Addr{ip})
+	if err != nil {
+		t.Fatalf("a scan does not find the process started after the snapshot: %v", err)
+	}
+	f.Close()
 }
 
 // A process of the pod in the node's netns is never the answer, even when
