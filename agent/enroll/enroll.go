@@ -61,12 +61,20 @@ func (p *Pipeline) enroll(ctx context.Context, pod *corev1.Pod, sb sandbox, from
 	// did to a new sandbox and reports why.
 	rb := &rollback{p: p, ctx: ctx, pod: pod, key: key, netns: sb.netns, old: old, fromCNI: fromCNI, sameSandbox: sameSandbox}
 
-	if old == nil {
-		if err := p.record(pod.UID); err != nil {
+	switch {
+	case old == nil:
+		if err := p.record(pod.UID, sb.ips); err != nil {
 			return rb.abort(fail("RecordFailed", "record the pod as enrolled on the node before its rules: %v", err))
 		}
 		rb.recorded = true
 		p.cfg.Annotations.Set(key, pod.UID, enrollment.AnnotationPending)
+	case !sameSandbox:
+		// The pod's record stays (its old sandbox's rules may too); its
+		// IPs are the new sandbox's. Written or not, the next agent finds
+		// the pod, sooner with them.
+		if err := p.record(pod.UID, sb.ips); err != nil {
+			p.log.Warn("could not record the pod's new sandbox IPs", "pod", key, "err", err)
+		}
 	}
 	rb.applied = true
 	// A running pod (reconcile, restart) keeps what this call applied when
@@ -324,7 +332,7 @@ func (p *Pipeline) Unenroll(ctx context.Context, uid types.UID) error {
 		if h := p.heldPod(uid); h != nil {
 			// Gone from the API (or inpod is being removed): its netns,
 			// if it still exists, is found by its status IPs.
-			return p.release(ctx, uid, h, h.ips, false)
+			return p.release(ctx, uid, h, h.ips, false, p.cfg.Finder)
 		}
 		return nil
 	}

@@ -73,7 +73,9 @@ type (
 	// restarted agent knows every pod with rules, also one whose
 	// annotation never landed. See Restore.
 	Records interface {
-		Record(uid string) error
+		Record(uid string, ips []netip.Addr) error
+		// IPs are the sandbox IPs a record holds (none when unknown).
+		IPs(uid string) ([]netip.Addr, error)
 		Forget(uid string) error
 		Recorded(uid string) (bool, error)
 		List() ([]string, error)

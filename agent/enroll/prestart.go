@@ -40,6 +40,9 @@ func (p *Pipeline) MayStart(ctx context.Context, namespace, name string) error {
 		return nil
 	}
 	e := p.entry(pod.UID)
+	if e == nil && p.heldPod(pod.UID) != nil {
+		return fmt.Errorf("pod %s/%s was enrolled by the agent before this one, which has not found its netns yet; holding its containers until it does", namespace, name)
+	}
 	if e == nil {
 		return fmt.Errorf("pod %s/%s is enrolled but not redirected yet (its sandbox was set up without its CNI ADD reaching inpod); holding its containers until the agent redirects it", namespace, name)
 	}

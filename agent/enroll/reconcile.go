@@ -29,7 +29,7 @@ import (
 // pod (see Restore) stays held until it is restored or removed; every
 // reconcile of it that does not settle it returns an error, so it retries.
 func (p *Pipeline) Reconcile(ctx context.Context, pod *corev1.Pod) error {
-	return p.reconcile(ctx, pod, false)
+	return p.reconcile(ctx, pod, false, p.cfg.Finder)
 }
 
 // Restore is Reconcile for an agent that starts: a pod carrying the
@@ -43,7 +43,15 @@ func (p *Pipeline) Reconcile(ctx context.Context, pod *corev1.Pod) error {
 // it is held as well, since dropping the proxy under its rules would
 // black-hole a pod outside the mesh.
 func (p *Pipeline) Restore(ctx context.Context, pod *corev1.Pod) error {
-	return p.reconcile(ctx, pod, true)
+	return p.reconcile(ctx, pod, true, p.cfg.Finder)
+}
+
+// RestoreWith is Restore finding running pods' netns with finder: one
+// procfs snapshot for a restore of every pod on the node
+// (podnetns.Snapshot), not a scan per pod. A pod it cannot find is held,
+// as with the Finder, and retried by the reconciler.
+func (p *Pipeline) RestoreWith(ctx context.Context, pod *corev1.Pod, finder NetnsFinder) error {
+	return p.reconcile(ctx, pod, true, finder)
 }
 
 // reconcile is Reconcile, or Restore when restoring. A wanted pod that is
@@ -53,9 +61,9 @@ func (p *Pipeline) Restore(ctx context.Context, pod *corev1.Pod) error {
 // wanted, or finished, is unenrolled when in the table, released when a
 // previous agent enrolled it (releaseUnwanted), and otherwise has its
 // readiness gate released unless it has finished.
-func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring bool) error {
+func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring bool, finder NetnsFinder) error {
 	defer p.lock(pod.UID)()
-	r := &reconciliation{p: p, pod: pod, restoring: restoring, held: p.heldPod(pod.UID)}
+	r := &reconciliation{p: p, pod: pod, restoring: restoring, held: p.heldPod(pod.UID), finder: finder}
 	// A terminating pod still runs (preStop hooks, draining) and stays in
 	// the mesh until it has finished, its sandbox's DEL comes, or it is
 	// gone from the API.
@@ -120,6 +128,8 @@ type reconciliation struct {
 	held *heldPod
 	// finished: the pod has Succeeded or Failed.
 	finished bool
+	// finder finds the netns of a pod not in the table.
+	finder NetnsFinder
 }
 
 // enrolledByPreviousAgent says whether a previous agent may have left rules
@@ -170,6 +180,12 @@ func (r *reconciliation) hold(ips []netip.Addr) {
 func (r *reconciliation) enrollRunning(ctx context.Context) error {
 	p, pod := r.p, r.pod
 	ips := podIPs(pod)
+	fromRecord := false
+	if len(ips) == 0 && r.enrolledByPreviousAgent() {
+		// Its sandbox's IPs as the agent that enrolled it recorded them;
+		// Find ties them to the pod's own processes.
+		ips, fromRecord = p.recordedIPs(pod.UID), true
+	}
 	if len(ips) == 0 {
 		if r.enrolledByPreviousAgent() {
 			r.hold(nil)
@@ -178,9 +194,15 @@ func (r *reconciliation) enrollRunning(ctx context.Context) error {
 		// No sandbox network yet: the CNI ADD will enroll it.
 		return nil
 	}
-	f, err := p.cfg.Finder.Find(SandboxUID(pod), ips)
+	f, err := r.finder.Find(SandboxUID(pod), ips)
 	if err != nil {
 		r.hold(ips)
+		if fromRecord {
+			// No IPs in its status: its sandbox may have no process yet
+			// (the ADD comes before the pause container starts). Not a
+			// failure to tell the pod's owner about.
+			return fmt.Errorf("pod %s/%s was enrolled, reports no IPs yet, and no process of it holds the IPs its record names; held (ztunnel keeps its proxy): %w", pod.Namespace, pod.Name, err)
+		}
 		return p.report(pod, fail("NetnsNotFound", "find the running pod's netns: %v", err))
 	}
 	start := time.Now()
@@ -196,12 +218,16 @@ func (r *reconciliation) enrollRunning(ctx context.Context) error {
 // wanted now, out of the mesh (see release); while that fails it is held.
 func (r *reconciliation) releaseUnwanted(ctx context.Context) error {
 	p, pod, h := r.p, r.pod, r.held
-	ips := podIPs(pod)
+	search := podIPs(pod)
+	if len(search) == 0 {
+		search = p.recordedIPs(pod.UID) // see enrollRunning
+	}
+	ips := slices.Clone(search)
 	if h != nil {
 		ips = append(ips, h.ips...)
 	}
 	if err := p.release(ctx, pod.UID, &heldPod{pod: types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name},
-		sandboxUID: SandboxUID(pod), ips: ips}, podIPs(pod), !r.finished); err != nil {
+		sandboxUID: SandboxUID(pod), ips: ips}, search, !r.finished, r.finder); err != nil {
 		r.hold(ips)
 		return err
 	}
@@ -253,11 +279,27 @@ func (p *Pipeline) enrolledBefore(pod *corev1.Pod) bool {
 	return recorded
 }
 
-func (p *Pipeline) record(uid types.UID) error {
+func (p *Pipeline) record(uid types.UID, ips []netip.Addr) error {
 	if p.cfg.Records == nil {
 		return nil
 	}
-	return p.cfg.Records.Record(string(uid))
+	return p.cfg.Records.Record(string(uid), ips)
+}
+
+// recordedIPs are the IPs of the sandbox the node's record names for uid:
+// a pod a previous agent enrolled is found by them while its status shows
+// none yet (the kubelet writes them seconds after the sandbox, on a busy
+// node). None when unknown.
+func (p *Pipeline) recordedIPs(uid types.UID) []netip.Addr {
+	if p.cfg.Records == nil {
+		return nil
+	}
+	ips, err := p.cfg.Records.IPs(string(uid))
+	if err != nil {
+		p.log.Warn("cannot read the pod's recorded IPs", "uid", uid, "err", err)
+		return nil
+	}
+	return ips
 }
 
 func (p *Pipeline) forget(uid types.UID) error {
@@ -389,9 +431,9 @@ func (p *Pipeline) verifySandbox(ctx context.Context, pod *corev1.Pod, e *entry)
 // found is an error (the rules may still be there, and ztunnel's proxy
 // must stay under them); without, the sandbox is taken to be gone with its
 // rules. The pod's lock is held.
-func (p *Pipeline) release(ctx context.Context, uid types.UID, h *heldPod, ips []netip.Addr, running bool) error {
+func (p *Pipeline) release(ctx context.Context, uid types.UID, h *heldPod, ips []netip.Addr, running bool, finder NetnsFinder) error {
 	if len(ips) > 0 {
-		f, err := p.cfg.Finder.Find(h.sandboxUID, ips)
+		f, err := finder.Find(h.sandboxUID, ips)
 		switch {
 		case err == nil:
 			_, err = p.cfg.Rules.Remove(f)

@@ -24,7 +24,8 @@ import (
 
 // restart replaces the agent as a restart does (agent.restore): the old
 // pipeline's ZDS server stops and its fds close (rules and ztunnel's proxies
-// stay), a new pipeline restores every pod of the cache, prunes the records
+// stay), a new pipeline restores every pod of the cache from one procfs
+// snapshot, prunes the records
 // of pods gone from it and the probe set when it may, and
 // only then is ztunnel served again. It waits for z's snapshot from the new
 // agent.
@@ -41,9 +42,14 @@ func (f *fixture) restart(z *ztunnel.Standin) {
 		}
 		f.cache.mu.Unlock()
 		inCache := map[types.UID]bool{}
+		// One procfs snapshot for all, as the agent restores.
+		snap, err := f.finder.Snapshot()
+		if err != nil {
+			f.t.Fatal(err)
+		}
 		for _, p := range pods {
 			inCache[p.UID] = true
-			if err := f.p.Restore(context.Background(), p); err != nil {
+			if err := f.p.RestoreWith(context.Background(), p, snap); err != nil {
 				f.t.Logf("restore %s/%s: %v", p.Namespace, p.Name, err)
 			}
 		}
@@ -178,6 +184,57 @@ func TestRestartKeepsAnEnrolledPodWhoseNetnsIsNotFound(t *testing.T) {
 	}
 }
 
+// A pod the previous agent enrolled just before it stopped, whose sandbox
+// runs but whose status shows no IPs yet (the kubelet writes them seconds
+// later on a busy node, after the next agent's restore), is restored at once
+// from the IPs the node's record kept: in the table with its netns, so its
+// containers may start (MayStart), not held until the status catches up.
+// Found only through a process of the pod: the record's IPs alone prove
+// nothing.
+func TestRestartFindsAPodWithNoIPsInItsStatusByItsRecord(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	pod, sb := f.pod("mesh", "no-ips-yet", nil), f.sandbox()
+	if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	if ips, err := f.records.IPs(string(pod.UID)); err != nil || !slices.Equal(ips, []netip.Addr{sb.ip}) {
+		t.Fatalf("the record holds IPs %v (%v), want the sandbox's %s", ips, err, sb.ip)
+	}
+	other, otherSB := f.pod("mesh", "no-process", nil), f.sandbox()
+	if out, err := f.add(other, otherSB, "c2"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	// The pod's pause process runs in its sandbox; the other's does not
+	// (procfs cannot tie its recorded IPs to it).
+	sb.RunAsPod(t, string(pod.UID))
+
+	f.restart(z)
+	if !f.p.IsEnrolled(pod.UID) {
+		t.Fatal("the running pod with no IPs in its status was held, not restored from its record's IPs")
+	}
+	if id, ok := inZtunnel(z, pod); !ok || id != identity(t, sb) {
+		t.Fatalf("ztunnel got netns %v (%v) for the pod; want its sandbox's %v", id, ok, identity(t, sb))
+	}
+	if err := f.p.MayStart(context.Background(), pod.Namespace, pod.Name); err != nil {
+		t.Fatalf("MayStart of the restored pod: %v", err)
+	}
+	f.checkKept(z, pod, sb)
+	// The other is held as before: kept in ztunnel, its containers wait.
+	if f.p.IsEnrolled(other.UID) {
+		t.Fatal("a pod whose recorded IPs no process of it holds was restored")
+	}
+	f.checkKept(z, other, otherSB)
+	if err := f.p.MayStart(context.Background(), other.Namespace, other.Name); err == nil || !strings.Contains(err.Error(), "agent before this one") {
+		t.Fatalf("MayStart of a held pod = %v, want it held with the reason", err)
+	}
+	// Right after its ADD a sandbox may have no process yet: no Warning
+	// for that.
+	if got := f.rec.reasons(); slices.Contains(got, "NetnsNotFound") {
+		t.Fatalf("events %v: a NetnsNotFound warning for a pod whose status shows no IPs yet", got)
+	}
+}
+
 // enrolledThenUnlabelled enrolls a running pod in namespace "leaving",
 // annotated as given ("" for an annotation that never landed), and takes
 // the namespace's label away, as if no agent ran.
@@ -219,6 +276,23 @@ func TestRestartRemovesAPodUnlabelledWhileNoAgentRan(t *testing.T) {
 	}
 	if f.p.IsEnrolled(pod.UID) || len(f.p.Enrolled()) != 0 {
 		t.Errorf("pod still tracked: %v", f.p.Enrolled())
+	}
+}
+
+// The same with the pod's status showing no IPs yet: its rules are found
+// by the IPs the node's record kept and taken out at once, not left
+// pointing at a proxy until the kubelet reports them.
+func TestRestartRemovesAPodUnlabelledWhileNoAgentRanByItsRecord(t *testing.T) {
+	f, z, pod, sb := enrolledThenUnlabelled(t, "")
+	noIPs := pod.DeepCopy()
+	noIPs.Status.Phase = corev1.PodRunning
+	f.cache.mu.Lock()
+	f.cache.pods[noIPs.Namespace+"/"+noIPs.Name] = noIPs
+	f.cache.mu.Unlock()
+	f.restart(z)
+	f.checkReleased(z, pod, sb)
+	if f.recorded(pod.UID) {
+		t.Error("the released pod's record stays")
 	}
 }
 

@@ -11,10 +11,16 @@
 // traffic goes nowhere, a pod outside the mesh blocked. A record written
 // before the rules closes that window:
 //
-//   - one empty file per pod, named by its API UID, in a root-only
-//     directory; written before the pod's rules are applied, so any pod
-//     with rules has a record, and removed only once its rules are out
-//     (or its sandbox start failed and they were rolled back);
+//   - one file per pod, named by its API UID, in a root-only directory;
+//     written before the pod's rules are applied, so any pod with rules
+//     has a record, and removed only once its rules are out (or its
+//     sandbox start failed and they were rolled back);
+//   - the file holds the IPs of the sandbox enrolled, one per line, as
+//     the primary CNI gave them: the next agent finds the pod's netns by
+//     them (with its cgroup, podnetns) before the kubelet has written
+//     them into the pod's status, which on a busy node comes seconds
+//     after the sandbox is up. A record the agent could not finish
+//     writing reads as holding none;
 //   - a record without rules (the agent died between the two) only makes
 //     the next agent treat the pod as enrolled: it re-applies the rules if
 //     the pod is in the mesh, or removes none and tells ztunnel Del if not,
@@ -29,8 +35,11 @@ package enrolledrecord
 import (
 	"errors"
 	"fmt"
+	"io"
+	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 )
 
@@ -70,8 +79,9 @@ func (d *Dir) fileFor(uid string) (string, error) {
 	return filepath.Join(d.path, uid), nil
 }
 
-// Record notes uid as enrolled; recording it again is no error.
-func (d *Dir) Record(uid string) error {
+// Record notes uid as enrolled in a sandbox holding ips; recording it
+// again replaces the IPs.
+func (d *Dir) Record(uid string, ips []netip.Addr) error {
 	name, err := d.fileFor(uid)
 	if err != nil {
 		return err
@@ -80,7 +90,58 @@ func (d *Dir) Record(uid string) error {
 	if err != nil {
 		return fmt.Errorf("enrolled-pod record: %w", err)
 	}
-	return f.Close()
+	var b strings.Builder
+	for _, ip := range ips {
+		b.WriteString(ip.String())
+		b.WriteByte('\n')
+	}
+	_, err = f.WriteString(b.String())
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		// The record exists (the pod counts as enrolled), its IPs may
+		// not: read back as none.
+		return fmt.Errorf("enrolled-pod record: %w", err)
+	}
+	return nil
+}
+
+// maxRecordSize bounds what IPs reads: a pod has at most a few IPs.
+const maxRecordSize = 4096
+
+// IPs returns the sandbox IPs uid's record holds; none when it has no
+// record, or one holding no IPs (written by a release before records held
+// them) or not all of them readable (its write was cut short).
+func (d *Dir) IPs(uid string) ([]netip.Addr, error) {
+	name, err := d.fileFor(uid)
+	if err != nil {
+		return nil, nil
+	}
+	f, err := os.OpenFile(name, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return nil, nil
+	case err != nil:
+		return nil, fmt.Errorf("enrolled-pod record: %w", err)
+	}
+	defer f.Close()
+	buf, err := io.ReadAll(io.LimitReader(f, maxRecordSize+1))
+	if err != nil {
+		return nil, fmt.Errorf("enrolled-pod record: %w", err)
+	}
+	if len(buf) == 0 || len(buf) > maxRecordSize || buf[len(buf)-1] != '\n' {
+		return nil, nil // none, not the agent's, or cut short
+	}
+	var ips []netip.Addr
+	for line := range strings.Lines(string(buf)) {
+		ip, err := netip.ParseAddr(strings.TrimSuffix(line, "\n"))
+		if err != nil {
+			return nil, nil
+		}
+		ips = append(ips, ip)
+	}
+	return ips, nil
 }
 
 // Forget removes uid's record; one that is not there is no error.

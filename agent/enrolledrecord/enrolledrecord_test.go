@@ -1,6 +1,7 @@
 package enrolledrecord
 
 import (
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -18,7 +19,7 @@ func TestRecordForgetAndList(t *testing.T) {
 	}
 	const a, b = "0b7d8c2e-5f4a-4c1e-9a0b-1c2d3e4f5a6b", "u2"
 	for _, uid := range []string{a, b, a} {
-		if err := d.Record(uid); err != nil {
+		if err := d.Record(uid, nil); err != nil {
 			t.Fatalf("record %s: %v", uid, err)
 		}
 	}
@@ -68,7 +69,7 @@ func TestUIDsThatCannotNameARecordAreRefused(t *testing.T) {
 		long[i] = 'a'
 	}
 	for _, uid := range []string{"", ".", "..", "../escape", "a/b", ".hidden", "sp ace", string(long)} {
-		if err := d.Record(uid); err == nil {
+		if err := d.Record(uid, nil); err == nil {
 			t.Errorf("Record(%q) succeeded", uid)
 		}
 		if err := d.Forget(uid); err == nil {
@@ -90,7 +91,7 @@ func TestUIDsThatCannotNameARecordAreRefused(t *testing.T) {
 	if recorded(t, d, "subdir") || recorded(t, d, "link") {
 		t.Fatal("a directory or a symlink taken for a record")
 	}
-	if err := d.Record("link"); err == nil {
+	if err := d.Record("link", nil); err == nil {
 		t.Fatal("Record followed a symlink planted in the directory")
 	}
 	if got, _ := d.List(); len(got) != 0 {
@@ -134,7 +135,58 @@ func TestOpenTightensTheDirectoryAndLookupErrorsAreErrors(t *testing.T) {
 	if ok, err := d.Recorded("u1"); err == nil {
 		t.Fatalf("Recorded with the directory replaced by a file = %v, nil; want an error", ok)
 	}
-	if err := d.Record("u1"); err == nil {
+	if err := d.Record("u1", nil); err == nil {
 		t.Fatal("Record with the directory replaced by a file succeeded")
 	}
+}
+
+// The record keeps the sandbox's IPs for the next agent; what the agent did
+// not write whole reads as none, never as other IPs.
+func TestRecordKeepsTheSandboxIPs(t *testing.T) {
+	dir := t.TempDir()
+	d, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v4, v6 := netip.MustParseAddr("10.244.1.7"), netip.MustParseAddr("fd00:10:244::7")
+	if err := d.Record("u1", []netip.Addr{v4, v6}); err != nil {
+		t.Fatal(err)
+	}
+	if got := ipsOf(t, d, "u1"); !slices.Equal(got, []netip.Addr{v4, v6}) {
+		t.Fatalf("IPs = %v, want [%s %s]", got, v4, v6)
+	}
+	// A new sandbox of the pod, recorded again: its IPs replace the old.
+	if err := d.Record("u1", []netip.Addr{v6}); err != nil {
+		t.Fatal(err)
+	}
+	if got := ipsOf(t, d, "u1"); !slices.Equal(got, []netip.Addr{v6}) {
+		t.Fatalf("IPs after a second record = %v, want [%s]", got, v6)
+	}
+	for name, content := range map[string]string{
+		"empty":     "", // a release before records held IPs
+		"cut-short": "10.244.1.7\n10.24",
+		"garbage":   "10.244.1.7\nnot-an-ip\n",
+	} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if !recorded(t, d, name) {
+			t.Fatalf("%s: not a record", name)
+		}
+		if got := ipsOf(t, d, name); got != nil {
+			t.Errorf("%s record: IPs = %v, want none", name, got)
+		}
+	}
+	if got := ipsOf(t, d, "no-record"); got != nil {
+		t.Fatalf("IPs of a pod with no record = %v", got)
+	}
+}
+
+func ipsOf(t *testing.T, d *Dir, uid string) []netip.Addr {
+	t.Helper()
+	ips, err := d.IPs(uid)
+	if err != nil {
+		t.Fatalf("IPs(%q): %v", uid, err)
+	}
+	return ips
 }
