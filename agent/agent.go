@@ -201,6 +201,10 @@ type Agent struct {
 	waitingForExit atomic.Bool
 	// serving is set once this agent holds the node's sockets.
 	serving atomic.Bool
+	// acting is held (read) by what acts on the node outside the pieces
+	// a hand-over stops (a container start's reconcile, prestart.go):
+	// retiring takes it, so nothing of this agent acts once retired.
+	acting sync.RWMutex
 }
 
 // DefaultKubeAPIQPS and DefaultKubeAPIBurst are the agent's API rate
@@ -382,6 +386,8 @@ type pieces struct {
 	passListPath, apiAccessPath string
 	// records is the node-local record of pods with rules.
 	records *enrolledrecord.Dir
+	// finder finds running pods' netns through procfs.
+	finder podnetns.Finder
 
 	// ztunnelBack is closed once a CNI ADD may ask ztunnel for its pod:
 	// at once, except after a take-over, until ztunnel reconnects to this
@@ -457,6 +463,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	p.presence = newZtunnelPresence(cfg.ZtunnelGrace)
 	round := &verifyRound{pipeline: func() *enroll.Pipeline { return p.pipeline }, pods: p.pods, sweepEvery: enroll.DefaultSweepEvery}
 	p.verifier = newVerifier(cfg.VerifyPeriod, round.run, p.activity)
+	p.finder = podnetns.Finder{ProcRoot: cfg.ProcRoot, NodeNetNS: nodeID}
 	p.pipeline = enroll.New(enroll.Config{
 		Records:     p.records,
 		Policy:      policy,
@@ -465,7 +472,7 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 		Probes:      p.probes,
 		Ztunnel:     ztunnelRef{p},
 		Pods:        p.pods,
-		Finder:      podnetns.Finder{ProcRoot: cfg.ProcRoot, NodeNetNS: nodeID},
+		Finder:      p.finder,
 		Annotations: p.annotations,
 		Events:      observe.NewEvents(ctx, p.client, cfg.NodeName),
 		Observer:    a.Metrics,
@@ -505,7 +512,8 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	// backoff and one pod never blocks another.
 	p.queue = workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[types.NamespacedName]())
 	if a.preStart != nil {
-		a.preStart.mayStart, a.preStart.requeue = p.pipeline.MayStart, p.queue.Add
+		a.preStart.mayStart, a.preStart.requeue = a.mayStart(p), p.queue.Add
+		a.preStart.reconcile = a.reconcileNow(p)
 	}
 
 	// The pass list is refreshed right in the handlers, not through the
@@ -720,7 +728,7 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(s
 	if a.tookOver {
 		fresh = a.freshPods(ctx, p)
 	}
-	a.restore(ctx, p.pods, p.probes, fresh)
+	a.restore(ctx, p, fresh)
 	if claiming {
 		// After the restore, which takes each running pod's lock: an ADD
 		// holding one while it waits for ztunnel would hold the restore,
@@ -843,16 +851,25 @@ func (a *Agent) Pipeline() *enroll.Pipeline { return a.pipeline }
 // proxy and the prune keeps its probe exemption, since its rules still point
 // at both. The informers' initial list queues every pod as well, so the
 // reconciler retries what failed here.
-func (a *Agent) restore(ctx context.Context, pods *podCache, probes *redirect.HostProbes, fresh []*corev1.Pod) {
-	all, _ := pods.pods.List(labels.Everything())
+func (a *Agent) restore(ctx context.Context, p *pieces, fresh []*corev1.Pod) {
+	all, _ := p.pods.pods.List(labels.Everything())
 	if fresh != nil {
 		all = fresh
 	}
+	// One procfs pass for every pod: during a hand-over, the CNI plugin's
+	// requests wait for the restore.
+	start := time.Now()
+	restore := a.pipeline.Restore
+	if snap, err := p.finder.Snapshot(); err != nil {
+		a.log.Warn("cannot read procfs once for the restore; searching it per pod", "err", err)
+	} else {
+		restore = func(ctx context.Context, pod *corev1.Pod) error { return a.pipeline.RestoreWith(ctx, pod, snap) }
+	}
 	inCache := make(map[types.UID]bool, len(all))
-	for _, p := range all {
-		inCache[p.UID] = true
-		if err := a.pipeline.Restore(ctx, p); err != nil {
-			a.log.Warn("could not restore pod at start; will retry", "pod", p.Namespace+"/"+p.Name, "err", err)
+	for _, pod := range all {
+		inCache[pod.UID] = true
+		if err := restore(ctx, pod); err != nil {
+			a.log.Warn("could not restore pod at start; will retry", "pod", pod.Namespace+"/"+pod.Name, "err", err)
 		}
 	}
 	if err := a.pipeline.PruneRecords(func(uid types.UID) bool { return inCache[uid] }); err != nil {
@@ -862,10 +879,10 @@ func (a *Agent) restore(ctx context.Context, pods *podCache, probes *redirect.Ho
 		// A stale exemption only SNATs probes; a missing one gets an
 		// enrolled pod killed by its liveness probe.
 		a.log.Warn("not pruning the probe set: a pod enrolled by the previous agent reports no IPs yet; stale exemptions stay until the next restart")
-	} else if err := probes.Prune(a.pipeline.EnrolledIPs()); err != nil {
+	} else if err := p.probes.Prune(a.pipeline.EnrolledIPs()); err != nil {
 		a.log.Warn("could not prune the probe set", "err", err)
 	}
-	a.log.Info("restored enrolled pods", "pods", len(a.pipeline.Enrolled()))
+	a.log.Info("restored enrolled pods", "pods", len(a.pipeline.Enrolled()), "took", time.Since(start).Round(time.Millisecond))
 }
 
 func (a *Agent) reconcileLoop(ctx context.Context, queue workqueue.TypedRateLimitingInterface[types.NamespacedName], pods *podCache) {

@@ -30,6 +30,9 @@ type preStartCheck struct {
 	// until then every container start of a gated pod waits.
 	mayStart func(ctx context.Context, namespace, name string) error
 	requeue  func(types.NamespacedName)
+	// reconcile, when set, reconciles the pod at once before a refusal
+	// is final (reconcileNow).
+	reconcile func(ctx context.Context, key types.NamespacedName)
 }
 
 // newPreStartCheck connects to the pod-resources API and lists once: an
@@ -68,7 +71,14 @@ func (c *preStartCheck) check(ctx context.Context, deviceIDs []string) error {
 		}
 		return nil
 	}
-	if err := c.mayStart(ctx, key.Namespace, key.Name); err != nil {
+	err = c.mayStart(ctx, key.Namespace, key.Name)
+	if err != nil && c.reconcile != nil {
+		// A refusal costs the pod the kubelet's sync back-off (10 s
+		// and more) even when the agent could redirect it now.
+		c.reconcile(ctx, key)
+		err = c.mayStart(ctx, key.Namespace, key.Name)
+	}
+	if err != nil {
 		// The pod update that shows its sandbox's IPs reconciles it
 		// too; this covers an update that came before.
 		if c.requeue != nil {
@@ -77,6 +87,66 @@ func (c *preStartCheck) check(ctx context.Context, deviceIDs []string) error {
 		return err
 	}
 	return nil
+}
+
+// mayStart is the pipeline's answer; a retired agent's names itself: its
+// table stopped at the hand-over, so it holds pods its successor enrolled
+// until the successor's plugin is registered and answers instead.
+func (a *Agent) mayStart(p *pieces) func(context.Context, string, string) error {
+	return func(ctx context.Context, namespace, name string) error {
+		err := p.pipeline.MayStart(ctx, namespace, name)
+		if err != nil && a.retired.Load() {
+			return fmt.Errorf("%w (answered by an agent that handed the node over; its successor answers once its device plugin is registered)", err)
+		}
+		return err
+	}
+}
+
+// preStartReconcileWait bounds a reconcile for a container start: the
+// kubelet waits for the answer, and a hand-over waits for it to end
+// (Agent.acting).
+const preStartReconcileWait = 2 * time.Second
+
+// reconcileNow reconciles a pod whose container start would be refused:
+// one the agent before this one enrolled, held until its netns is found,
+// or one whose sandbox was set up without inpod. The reconciler would get
+// to it too, but the kubelet asks again only at its next sync. Only while
+// this agent serves the node: not before it took it over, not once it
+// handed it on.
+func (a *Agent) reconcileNow(p *pieces) func(context.Context, types.NamespacedName) {
+	return func(ctx context.Context, key types.NamespacedName) {
+		a.whileServing(func() {
+			pod, err := p.pods.pods.Pods(key.Namespace).Get(key.Name)
+			if err != nil {
+				return
+			}
+			ctx, cancel := context.WithTimeout(ctx, preStartReconcileWait)
+			defer cancel()
+			if err := a.pipeline.Reconcile(ctx, pod); err != nil {
+				a.log.Info("a container start's reconcile did not redirect its pod yet", "pod", key, "err", err)
+			}
+		})
+	}
+}
+
+// whileServing runs act if this agent serves the node, and keeps it from
+// retiring (markRetired) until act returns; it says whether act ran.
+func (a *Agent) whileServing(act func()) bool {
+	a.acting.RLock()
+	defer a.acting.RUnlock()
+	if !a.serving.Load() || a.retired.Load() {
+		return false
+	}
+	act()
+	return true
+}
+
+// markRetired is a hand-over's point of no return for this agent: once it
+// returns, nothing of it acts on the node (whileServing).
+func (a *Agent) markRetired() {
+	a.acting.Lock()
+	defer a.acting.Unlock()
+	a.retired.Store(true)
 }
 
 // podOf names the pod one of whose containers holds the devices; found is

@@ -8,10 +8,13 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc"
 	"k8s.io/apimachinery/pkg/types"
 	podresourcesapi "k8s.io/kubelet/pkg/apis/podresources/v1"
+
+	"github.com/inpod-dev/inpod/internal/testkit"
 )
 
 // The kubelet's answer as listed; the real API is exercised by the e2e
@@ -77,5 +80,81 @@ func TestPreStartCheckOffWhenThePodResourcesAPIDoesNotAnswer(t *testing.T) {
 	a.cfg.PodResourcesSocket = filepath.Join(t.TempDir(), "missing.sock")
 	if c, err := a.newPreStartCheck(""); err != nil || c != nil {
 		t.Fatalf("newPreStartCheck with no socket = %v, %v; want no check and no error", c, err)
+	}
+}
+
+// A start the pipeline would refuse is reconciled at once and asked again:
+// a refusal costs the pod the kubelet's sync back-off even when the agent
+// can redirect it now. Still refused, the pod is requeued.
+func TestPreStartReconcilesBeforeItRefuses(t *testing.T) {
+	const res = "inpod.dev/redirection"
+	web := types.NamespacedName{Namespace: "mesh", Name: "web"}
+	pods := []*podresourcesapi.PodResources{{Namespace: web.Namespace, Name: web.Name, Containers: []*podresourcesapi.ContainerResources{
+		{Name: "app", Devices: []*podresourcesapi.ContainerDevices{{ResourceName: res, DeviceIds: []string{"dev-1"}}}}}}}
+	for _, redirects := range []bool{true, false} {
+		redirected := false
+		var reconciled, requeued []types.NamespacedName
+		c := &preStartCheck{resource: res, lister: listedPods{pods: pods},
+			mayStart: func(context.Context, string, string) error {
+				if redirected {
+					return nil
+				}
+				return errors.New("not redirected yet")
+			},
+			reconcile: func(_ context.Context, k types.NamespacedName) {
+				reconciled = append(reconciled, k)
+				redirected = redirects
+			},
+			requeue: func(k types.NamespacedName) { requeued = append(requeued, k) }}
+		err := c.check(context.Background(), []string{"dev-1"})
+		if len(reconciled) != 1 || reconciled[0] != web {
+			t.Fatalf("reconciled %v, want mesh/web once", reconciled)
+		}
+		switch {
+		case redirects && (err != nil || len(requeued) != 0):
+			t.Fatalf("redirected by the reconcile: check = %v, requeued %v; want let through", err, requeued)
+		case !redirects && (err == nil || len(requeued) != 1):
+			t.Fatalf("still not redirected: check = %v, requeued %v; want held and requeued", err, requeued)
+		}
+	}
+}
+
+// Nothing of an agent acts on the node once it has handed it over, also
+// not a container start's reconcile already under way: retiring waits for
+// it, and none runs after.
+func TestNothingActsOnceRetired(t *testing.T) {
+	a := &Agent{}
+	if a.whileServing(func() { t.Fatal("acted before serving the node") }) {
+		t.Fatal("whileServing ran before the agent served")
+	}
+	a.serving.Store(true)
+	inFlight, release := make(chan struct{}), make(chan struct{})
+	done := make(chan bool)
+	go func() { done <- a.whileServing(func() { close(inFlight); <-release }) }()
+	<-inFlight
+	retired := make(chan struct{})
+	go func() { a.markRetired(); close(retired) }()
+	// Until the retire waits for the lock (a reader is then refused) or
+	// has, wrongly, not waited at all.
+	testkit.Eventually(t, 10*time.Second, "the retire under way", func() bool {
+		if a.retired.Load() {
+			return true
+		}
+		if a.acting.TryRLock() {
+			a.acting.RUnlock()
+			return false
+		}
+		return true
+	})
+	if a.retired.Load() {
+		t.Fatal("retired while a reconcile was acting on the node")
+	}
+	close(release)
+	if !<-done {
+		t.Fatal("the reconcile under way did not run")
+	}
+	<-retired
+	if a.whileServing(func() { t.Fatal("acted after retiring") }) {
+		t.Fatal("whileServing ran after the agent retired")
 	}
 }
