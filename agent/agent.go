@@ -202,9 +202,12 @@ type Agent struct {
 	// serving is set once this agent holds the node's sockets.
 	serving atomic.Bool
 	// acting is held (read) by what acts on the node outside the pieces
-	// a hand-over stops (a container start's reconcile, prestart.go):
-	// retiring takes it, so nothing of this agent acts once retired.
+	// (a container start's reconcile, prestart.go), and quiet set once
+	// such acts must end: a hand-over's retire and a stop wait for them
+	// (stopActing) with the pieces, so nothing of this agent acts beside
+	// its successor or a removal from the node.
 	acting sync.RWMutex
+	quiet  atomic.Bool
 }
 
 // DefaultKubeAPIQPS and DefaultKubeAPIBurst are the agent's API rate
@@ -627,7 +630,7 @@ func (a *Agent) start(parent context.Context, p *pieces) error {
 	retire := func() {
 		stopPieces(errHandedOver)
 		done := make(chan struct{})
-		go func() { pieces.Wait(); close(done) }()
+		go func() { pieces.Wait(); a.stopActing(); close(done) }()
 		select {
 		case <-done:
 		case <-time.After(stopTimeout):
@@ -642,7 +645,7 @@ func (a *Agent) start(parent context.Context, p *pieces) error {
 
 	<-ctx.Done()
 	stopped := make(chan struct{})
-	go func() { g.Wait(); close(stopped) }()
+	go func() { g.Wait(); a.stopActing(); close(stopped) }()
 	cause := context.Cause(ctx)
 	wait := stopTimeout
 	if a.closer != nil {

@@ -426,7 +426,7 @@ func (s *handoverSource) Retire() {
 	s.closeFiles()
 	s.p.cni.Retire()
 	s.p.zds.Retire()
-	s.a.markRetired()
+	s.a.retired.Store(true)
 	s.retire()
 	s.a.log.Info("handed the node over: this agent no longer acts on it and exits when stopped")
 }

@@ -78,15 +78,15 @@ func (c *preStartCheck) check(ctx context.Context, deviceIDs []string) error {
 		c.reconcile(ctx, key)
 		err = c.mayStart(ctx, key.Namespace, key.Name)
 	}
-	if err != nil {
-		// The pod update that shows its sandbox's IPs reconciles it
-		// too; this covers an update that came before.
+	// The reconciler looks again in any case: the pod update that shows
+	// its sandbox's IPs reconciles it too, but may have come before, and
+	// the reconcile here read the pod from the cache before its lock.
+	if err != nil || c.reconcile != nil {
 		if c.requeue != nil {
 			c.requeue(key)
 		}
-		return err
 	}
-	return nil
+	return err
 }
 
 // mayStart is the pipeline's answer; a retired agent's names itself: its
@@ -102,17 +102,16 @@ func (a *Agent) mayStart(p *pieces) func(context.Context, string, string) error 
 	}
 }
 
-// preStartReconcileWait bounds a reconcile for a container start: the
-// kubelet waits for the answer, and a hand-over waits for it to end
-// (Agent.acting).
+// preStartReconcileWait bounds a reconcile for a container start once it
+// runs (the kubelet waits for the answer); one that would wait for the
+// pod's lock does not run (Pipeline.ReconcileIfFree).
 const preStartReconcileWait = 2 * time.Second
 
 // reconcileNow reconciles a pod whose container start would be refused:
 // one the agent before this one enrolled, held until its netns is found,
 // or one whose sandbox was set up without inpod. The reconciler would get
 // to it too, but the kubelet asks again only at its next sync. Only while
-// this agent serves the node: not before it took it over, not once it
-// handed it on.
+// this agent acts on the node (whileServing).
 func (a *Agent) reconcileNow(p *pieces) func(context.Context, types.NamespacedName) {
 	return func(ctx context.Context, key types.NamespacedName) {
 		a.whileServing(func() {
@@ -122,31 +121,33 @@ func (a *Agent) reconcileNow(p *pieces) func(context.Context, types.NamespacedNa
 			}
 			ctx, cancel := context.WithTimeout(ctx, preStartReconcileWait)
 			defer cancel()
-			if err := a.pipeline.Reconcile(ctx, pod); err != nil {
+			if ran, err := a.pipeline.ReconcileIfFree(ctx, pod); ran && err != nil {
 				a.log.Info("a container start's reconcile did not redirect its pod yet", "pod", key, "err", err)
 			}
 		})
 	}
 }
 
-// whileServing runs act if this agent serves the node, and keeps it from
-// retiring (markRetired) until act returns; it says whether act ran.
+// whileServing runs act if this agent acts on the node (it serves it, and
+// has neither handed it over nor begun to stop), and keeps stopActing
+// waiting until act returns; it says whether act ran.
 func (a *Agent) whileServing(act func()) bool {
 	a.acting.RLock()
 	defer a.acting.RUnlock()
-	if !a.serving.Load() || a.retired.Load() {
+	if !a.serving.Load() || a.quiet.Load() {
 		return false
 	}
 	act()
 	return true
 }
 
-// markRetired is a hand-over's point of no return for this agent: once it
-// returns, nothing of it acts on the node (whileServing).
-func (a *Agent) markRetired() {
+// stopActing ends whileServing's acts: none starts after it began, and it
+// returns once none runs. The caller bounds the wait (each act is short,
+// see reconcileNow).
+func (a *Agent) stopActing() {
+	a.quiet.Store(true)
 	a.acting.Lock()
 	defer a.acting.Unlock()
-	a.retired.Store(true)
 }
 
 // podOf names the pod one of whose containers holds the devices; found is

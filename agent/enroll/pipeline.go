@@ -251,6 +251,17 @@ func New(cfg Config) *Pipeline {
 }
 
 func (p *Pipeline) lock(uid types.UID) func() {
+	unlock, _ := p.lockIf(uid, true)
+	return unlock
+}
+
+// lockIfFree is lock when no one holds the pod's lock; ok is false, and
+// nothing held, otherwise.
+func (p *Pipeline) lockIfFree(uid types.UID) (unlock func(), ok bool) {
+	return p.lockIf(uid, false)
+}
+
+func (p *Pipeline) lockIf(uid types.UID, wait bool) (func(), bool) {
 	p.mu.Lock()
 	l, ok := p.locks[uid]
 	if !ok {
@@ -259,15 +270,23 @@ func (p *Pipeline) lock(uid types.UID) func() {
 	}
 	l.users++
 	p.mu.Unlock()
-	l.Lock()
-	return func() {
-		l.Unlock()
+	release := func() {
 		p.mu.Lock()
 		if l.users--; l.users == 0 {
 			delete(p.locks, uid)
 		}
 		p.mu.Unlock()
 	}
+	if wait {
+		l.Lock()
+	} else if !l.TryLock() {
+		release()
+		return nil, false
+	}
+	return func() {
+		l.Unlock()
+		release()
+	}, true
 }
 
 // Close releases every netns fd (rules and ztunnel's proxies stay: a

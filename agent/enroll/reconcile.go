@@ -63,6 +63,23 @@ func (p *Pipeline) RestoreWith(ctx context.Context, pod *corev1.Pod, finder Netn
 // readiness gate released unless it has finished.
 func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring bool, finder NetnsFinder) error {
 	defer p.lock(pod.UID)()
+	return p.reconcileLocked(ctx, pod, restoring, finder)
+}
+
+// ReconcileIfFree is Reconcile unless something holds the pod's lock (its
+// CNI ADD, which may wait for ztunnel, or a reconcile): then it does
+// nothing and says so. For a caller that must not wait (a container start
+// the kubelet holds, an agent handing over).
+func (p *Pipeline) ReconcileIfFree(ctx context.Context, pod *corev1.Pod) (ran bool, err error) {
+	unlock, ok := p.lockIfFree(pod.UID)
+	if !ok {
+		return false, nil
+	}
+	defer unlock()
+	return true, p.reconcileLocked(ctx, pod, false, p.cfg.Finder)
+}
+
+func (p *Pipeline) reconcileLocked(ctx context.Context, pod *corev1.Pod, restoring bool, finder NetnsFinder) error {
 	r := &reconciliation{p: p, pod: pod, restoring: restoring, held: p.heldPod(pod.UID), finder: finder}
 	// A terminating pod still runs (preStop hooks, draining) and stays in
 	// the mesh until it has finished, its sandbox's DEL comes, or it is
@@ -196,13 +213,17 @@ func (r *reconciliation) enrollRunning(ctx context.Context) error {
 	}
 	f, err := r.finder.Find(SandboxUID(pod), ips)
 	if err != nil {
-		r.hold(ips)
 		if fromRecord {
-			// No IPs in its status: its sandbox may have no process yet
-			// (the ADD comes before the pause container starts). Not a
-			// failure to tell the pod's owner about.
+			// Held as with no IPs at all: a record can be stale (a new
+			// sandbox whose start failed, a rewrite that failed), and
+			// held IPs keep or drop probe exemptions. No IPs in its
+			// status: its sandbox may have no process yet (the ADD
+			// comes before the pause container starts); not a failure
+			// to tell the pod's owner about.
+			r.hold(nil)
 			return fmt.Errorf("pod %s/%s was enrolled, reports no IPs yet, and no process of it holds the IPs its record names; held (ztunnel keeps its proxy): %w", pod.Namespace, pod.Name, err)
 		}
+		r.hold(ips)
 		return p.report(pod, fail("NetnsNotFound", "find the running pod's netns: %v", err))
 	}
 	start := time.Now()
@@ -454,7 +475,13 @@ func (p *Pipeline) release(ctx context.Context, uid types.UID, h *heldPod, ips [
 	if err := p.cfg.Ztunnel.Del(ctx, string(uid)); err != nil {
 		errs = append(errs, fmt.Errorf("tell ztunnel: %w", err))
 	}
+	// Another pod may hold one of them by now (a record's IPs can be
+	// stale).
+	owned := p.ipsOfOthers(uid)
 	for _, ip := range h.ips {
+		if slices.Contains(owned, ip) {
+			continue
+		}
 		if err := p.cfg.Probes.Remove(ip); err != nil {
 			errs = append(errs, err)
 		}

@@ -279,6 +279,24 @@ func TestRestartRemovesAPodUnlabelledWhileNoAgentRan(t *testing.T) {
 	}
 }
 
+// A new sandbox of an enrolled pod replaces the IPs its record holds: the
+// next agent looks for the sandbox that runs.
+func TestRecordFollowsTheSandboxIPs(t *testing.T) {
+	f := newFixture(t)
+	f.standin(ztunnel.Config{})
+	pod, first := f.pod("mesh", "app", nil), f.sandbox()
+	if out, err := f.add(pod, first, "c1"); out != cnievent.Redirected {
+		t.Fatalf("ADD = %q, %v", out, err)
+	}
+	second := f.sandbox()
+	if out, err := f.add(pod, second, "c2"); out != cnievent.Redirected {
+		t.Fatalf("ADD of a new sandbox = %q, %v", out, err)
+	}
+	if ips, err := f.records.IPs(string(pod.UID)); err != nil || !slices.Equal(ips, []netip.Addr{second.ip}) {
+		t.Fatalf("the record holds %v (%v), want the new sandbox's %s (the first's was %s)", ips, err, second.ip, first.ip)
+	}
+}
+
 // The same with the pod's status showing no IPs yet: its rules are found
 // by the IPs the node's record kept and taken out at once, not left
 // pointing at a proxy until the kubelet reports them.

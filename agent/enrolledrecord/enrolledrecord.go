@@ -19,8 +19,9 @@
 //     the primary CNI gave them: the next agent finds the pod's netns by
 //     them (with its cgroup, podnetns) before the kubelet has written
 //     them into the pod's status, which on a busy node comes seconds
-//     after the sandbox is up. A record the agent could not finish
-//     writing reads as holding none;
+//     after the sandbox is up. A record whose write was cut short holds
+//     the lines written whole (an empty one, none): the IPs only narrow a
+//     search that the pod's cgroup decides;
 //   - a record without rules (the agent died between the two) only makes
 //     the next agent treat the pod as enrolled: it re-applies the rules if
 //     the pod is in the mesh, or removes none and tells ztunnel Del if not,
@@ -111,8 +112,8 @@ func (d *Dir) Record(uid string, ips []netip.Addr) error {
 const maxRecordSize = 4096
 
 // IPs returns the sandbox IPs uid's record holds; none when it has no
-// record, or one holding no IPs (written by a release before records held
-// them) or not all of them readable (its write was cut short).
+// record, one holding no IPs (written by a release before records held
+// them), or one with a line that is no IP or no newline at its end.
 func (d *Dir) IPs(uid string) ([]netip.Addr, error) {
 	name, err := d.fileFor(uid)
 	if err != nil {
