@@ -158,9 +158,11 @@ type fixture struct {
 	// stopServer stops the ZDS server of the running pipeline.
 	stopServer func()
 	// conds records the pod conditions asked for; failDel makes every
-	// ZDS Del fail (a ztunnel stalled past the Ack timeout).
+	// ZDS Del fail (a ztunnel stalled past the Ack timeout); failAdd,
+	// when it holds an error, every ZDS Add.
 	conds   *conditions
 	failDel atomic.Bool
+	failAdd atomic.Pointer[error]
 	// verifySoon counts the pipeline's asks for a verification round.
 	verifySoon atomic.Int32
 	// zt is the ztunnel presence the verifier is told (ZtunnelReady at
@@ -215,7 +217,7 @@ func (f *fixture) startAgent(restore func()) {
 		Rules:       nftRules{redirect.NewEngine(redirect.NewNFTables())},
 		VariantOf:   f.variantOf,
 		Probes:      f.probes,
-		Ztunnel:     ztunnelRef{s: &srv, failDel: &f.failDel},
+		Ztunnel:     ztunnelRef{s: &srv, failDel: &f.failDel, failAdd: &f.failAdd},
 		Pods:        f.cache,
 		Finder:      f.finder,
 		Annotations: f.rec,
@@ -253,11 +255,19 @@ func (f *fixture) startAgent(restore func()) {
 type ztunnelRef struct {
 	s       **zds.Server
 	failDel *atomic.Bool
+	failAdd *atomic.Pointer[error]
 }
 
-func (z ztunnelRef) Add(ctx context.Context, w zds.Workload) error { return (*z.s).Add(ctx, w) }
-func (z ztunnelRef) Acked(uid string) bool                         { return (*z.s).Acked(uid) }
-func (z ztunnelRef) Settled() bool                                 { return (*z.s).Settled() }
+func (z ztunnelRef) Add(ctx context.Context, w zds.Workload) error {
+	if z.failAdd != nil {
+		if err := z.failAdd.Load(); err != nil {
+			return *err
+		}
+	}
+	return (*z.s).Add(ctx, w)
+}
+func (z ztunnelRef) Acked(uid string) bool { return (*z.s).Acked(uid) }
+func (z ztunnelRef) Settled() bool         { return (*z.s).Settled() }
 
 func (z ztunnelRef) Del(ctx context.Context, uid string) error {
 	if z.failDel != nil && z.failDel.Load() {

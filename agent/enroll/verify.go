@@ -174,9 +174,9 @@ func (p *Pipeline) VerifyAll(ctx context.Context, pod func(types.NamespacedName)
 func (p *Pipeline) verify(ctx context.Context, pod *corev1.Pod, e *entry, zt ZtunnelPresence, disruptive bool) []string {
 	var repairs []string
 	// keep: nothing can be concluded about ztunnel now (it is
-	// reconnecting, or the newest one has not acknowledged its snapshot
-	// yet); the pod's proof stays as it was unless its sandbox or rules
-	// were lost.
+	// reconnecting, the newest one has not acknowledged its snapshot
+	// yet, or its connection ended during the round); the pod's proof
+	// stays as it was unless its sandbox or rules were lost.
 	keep := false
 	loss, detail := func() (string, string) {
 		// The sandbox.
@@ -214,6 +214,14 @@ func (p *Pipeline) verify(ctx context.Context, pod *corev1.Pod, e *entry, zt Ztu
 				return "", ""
 			}
 			if err := p.cfg.Ztunnel.Add(ctx, e.info); err != nil {
+				if errors.Is(err, zds.ErrConnectionClosed) || errors.Is(err, zds.ErrNoConnection) {
+					// The connection ended during this round (a
+					// hand-over's pause, a ztunnel restart): the
+					// ztunnel that connects next gets the pod in its
+					// snapshot. The next round judges.
+					keep = true
+					return "", ""
+				}
 				return ztunnelReason(err), fmt.Sprintf("ztunnel does not hold the pod, and handing it over again failed: %v", err)
 			}
 			repairs = append(repairs, RepairZtunnel)

@@ -22,6 +22,7 @@ import (
 	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns/netnstest"
+	"github.com/inpod-dev/inpod/zds"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
@@ -157,6 +158,36 @@ func TestVerifierHandsAPodZtunnelDroppedOverAgain(t *testing.T) {
 	}
 	if missing, err := (standinListeners{}).Missing(sb.Open(t), enroll.Variant{}); err != nil || len(missing) != 0 {
 		t.Fatalf("listeners missing after the repair: %v, %v", missing, err)
+	}
+}
+
+// A ztunnel connection that ends while the verifier hands it a pod again
+// (a hand-over's pause, a ztunnel restart) is no loss: the ztunnel that
+// connects next gets the pod in its snapshot. No Warning, no condition
+// turned False (a readiness gate would flap); the next round judges.
+func TestVerifierConcludesNothingWhenZtunnelLeavesMidRepair(t *testing.T) {
+	f := newFixture(t)
+	z, _ := f.standin(ztunnel.Config{})
+	pod, _ := f.enrolledRunning("mid-repair")
+	if err := f.srv.Del(context.Background(), string(pod.UID)); err != nil {
+		t.Fatal(err)
+	}
+	testkit.Eventually(t, waitFor, "the stand-in to drop the pod", func() bool { _, ok := inZtunnel(z, pod); return !ok })
+	for _, closed := range []error{zds.ErrConnectionClosed, zds.ErrNoConnection} {
+		f.failAdd.Store(&closed)
+		if v := f.verifyAll(); len(v.Unproven) != 0 {
+			t.Fatalf("%v during the repair: verification = %+v; want nothing concluded", closed, v)
+		}
+		if c, _ := f.conds.of(pod.UID); !c.proven {
+			t.Fatalf("%v during the repair: condition %+v; want it left proven", closed, c)
+		}
+		if got := f.rec.reasons(); len(got) != 0 {
+			t.Fatalf("%v during the repair: events %v; want none", closed, got)
+		}
+	}
+	f.failAdd.Store(nil)
+	if v := f.verifyAll(); v.Repaired[enroll.RepairZtunnel] != 1 {
+		t.Fatalf("verification once ztunnel answers = %+v; want ztunnel repaired", v)
 	}
 }
 
