@@ -68,8 +68,8 @@ func (p *Pipeline) reconcile(ctx context.Context, pod *corev1.Pod, restoring boo
 
 // ReconcileIfFree is Reconcile unless something holds the pod's lock (its
 // CNI ADD, which may wait for ztunnel, or a reconcile): then it does
-// nothing and says so. For a caller that must not wait (a container start
-// the kubelet holds, an agent handing over).
+// nothing and says so. For a caller that must not wait: a container start
+// the kubelet holds, which a hand-over or a stop waits for in turn.
 func (p *Pipeline) ReconcileIfFree(ctx context.Context, pod *corev1.Pod) (ran bool, err error) {
 	unlock, ok := p.lockIfFree(pod.UID)
 	if !ok {

@@ -26,12 +26,8 @@ const hostProcesses = 200
 // plus hostProcesses sleepers in the node's netns.
 func BenchmarkFind(b *testing.B) {
 	netnstest.RequireRoot(b)
-	uid := "8b3c4d5e-6f7a-4b8c-9d0e-1f2a3b4c5d6e"
-	cg := podCgroup(b, uid)
-	pod := netnstest.New(b)
-	ip := netip.MustParseAddr("198.51.100.40")
-	pod.Exec(b, "ip", "addr", "add", ip.String()+"/32", "dev", "lo")
-	sleeper(b, pod, cg)
+	uid, ip := "8b3c4d5e-6f7a-4b8c-9d0e-1f2a3b4c5d6e", netip.MustParseAddr("198.51.100.40")
+	runningPod(b, uid, ip)
 	for range hostProcesses {
 		sleeper(b, nil, "")
 	}
@@ -86,9 +82,7 @@ func BenchmarkRestoreSearch(b *testing.B) {
 	var pods []pod
 	for i := range restorePods {
 		p := pod{uid: fmt.Sprintf("5e6f7a8b-9c0d-4e1f-8a2b-%012d", i), ip: netip.AddrFrom4([4]byte{198, 51, 100, byte(100 + i)})}
-		ns := netnstest.New(b)
-		ns.Exec(b, "ip", "addr", "add", p.ip.String()+"/32", "dev", "lo")
-		sleeper(b, ns, podCgroup(b, p.uid))
+		runningPod(b, p.uid, p.ip)
 		pods = append(pods, p)
 	}
 	for range hostProcesses {

@@ -66,25 +66,32 @@ func sleeper(t testing.TB, ns *netnstest.NetNS, cgroup string) int {
 	return cmd.Process.Pid
 }
 
+// finder is what Finder and Snapshot both answer.
+type finder interface {
+	Find(uid string, ips []netip.Addr) (*os.File, error)
+}
+
 // finders are the two ways to search: a procfs scan per search, and one
 // snapshot of procfs taken for many.
-var finders = map[string]func(t *testing.T) interface {
-	Find(uid string, ips []netip.Addr) (*os.File, error)
-}{
-	"scan": func(*testing.T) interface {
-		Find(uid string, ips []netip.Addr) (*os.File, error)
-	} {
-		return podnetns.Finder{}
-	},
-	"snapshot": func(t *testing.T) interface {
-		Find(uid string, ips []netip.Addr) (*os.File, error)
-	} {
+var finders = map[string]func(t *testing.T) finder{
+	"scan": func(*testing.T) finder { return podnetns.Finder{} },
+	"snapshot": func(t *testing.T) finder {
 		s, err := podnetns.Finder{}.Snapshot()
 		if err != nil {
 			t.Fatal(err)
 		}
 		return s
 	},
+}
+
+// runningPod is a pod's sandbox as procfs shows it: a netns holding ip, and
+// a process in it under the pod's cgroup.
+func runningPod(tb testing.TB, uid string, ip netip.Addr) (ns *netnstest.NetNS, cgroup string, pid int) {
+	tb.Helper()
+	cgroup = podCgroup(tb, uid)
+	ns = netnstest.New(tb)
+	ns.Exec(tb, "ip", "addr", "add", ip.String()+"/32", "dev", "lo")
+	return ns, cgroup, sleeper(tb, ns, cgroup)
 }
 
 func TestFindMatchesCgroupAndIP(t *testing.T) {
@@ -131,12 +138,8 @@ func TestFindMatchesCgroupAndIP(t *testing.T) {
 // for the pod's, and one started since is not found.
 func TestSnapshotChecksItsCandidatesAgain(t *testing.T) {
 	netnstest.RequireRoot(t)
-	uid := "9c4d5e6f-7a8b-4c9d-8e0f-2a3b4c5d6e7f"
-	cg := podCgroup(t, uid)
-	pod := netnstest.New(t)
-	ip := netip.MustParseAddr("198.51.100.40")
-	pod.Exec(t, "ip", "addr", "add", ip.String()+"/32", "dev", "lo")
-	pid := sleeper(t, pod, cg)
+	uid, ip := "9c4d5e6f-7a8b-4c9d-8e0f-2a3b4c5d6e7f", netip.MustParseAddr("198.51.100.40")
+	pod, cg, pid := runningPod(t, uid, ip)
 	snap, err := podnetns.Finder{}.Snapshot()
 	if err != nil {
 		t.Fatal(err)
