@@ -195,3 +195,47 @@ const HeadlineSection = "Pod start-up (create → Ready)"
 // taint, the taint controller's Node taint. (The device-plugin gate's
 // window is the kubelet's node-status sync, up to 10 s, measured by e2e.)
 const SchedulerSeesSection = "Readiness change visible to the scheduler, per gate mode"
+
+// ScaleSection gathers what inpod costs the cluster's shared parts past one
+// node (make bench-scale): the scheduler, admission, the taint controller
+// and the agent's informers, on a real control plane with simulated nodes,
+// each figure beside the same run without inpod.
+const ScaleSection = "Past one node: the cluster's shared parts (real control plane, simulated nodes)"
+
+// Splice puts the sections of part (a report Render wrote, its title line
+// dropped) into doc, a whole report: a section doc has is replaced, one it
+// lacks goes before doc's closing "Measured by" paragraph, and every other
+// section of doc stays as it was. So a benchmark run on its own (make
+// bench-scale) updates its part of the report without losing the rest.
+func Splice(doc, part string) string {
+	for _, sec := range sections(part) {
+		head := sec[:strings.Index(sec, "\n")+1]
+		if i := strings.Index(doc, head); i >= 0 {
+			end := len(doc)
+			if j := strings.Index(doc[i+len(head):], "\n## "); j >= 0 {
+				end = i + len(head) + j + 1
+			} else if j := strings.LastIndex(doc, "\nMeasured by "); j > i {
+				end = j + 1
+			}
+			doc = doc[:i] + sec + doc[end:]
+			continue
+		}
+		if j := strings.LastIndex(doc, "\nMeasured by "); j >= 0 {
+			doc = doc[:j+1] + sec + doc[j+1:]
+		} else {
+			doc = strings.TrimRight(doc, "\n") + "\n\n" + sec
+		}
+	}
+	return doc
+}
+
+// sections splits a report into its "## " sections, each ending in a blank
+// line.
+func sections(report string) []string {
+	var out []string
+	parts := strings.Split("\n"+report, "\n## ")
+	for _, p := range parts[1:] {
+		out = append(out, "## "+strings.TrimRight(p, "\n")+"\n\n")
+	}
+	return out
+}

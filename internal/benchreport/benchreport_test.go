@@ -76,3 +76,20 @@ func TestPercentileIsTheNearestRankBelowAndLeavesItsInputAlone(t *testing.T) {
 		t.Errorf("Us(1.5µs) = %v", got)
 	}
 }
+
+// TestSpliceReplacesItsSectionsAndKeepsTheRest: a section the report has
+// is replaced in place (also the last one, before the closing paragraph),
+// a new one goes before that paragraph, the others stay byte for byte.
+func TestSpliceReplacesItsSectionsAndKeepsTheRest(t *testing.T) {
+	doc := "# inpod benchmarks\n\n## A\n\n| a | 1 |\n\n## B\n\n| b | 1 |\n\nMeasured by `make bench` on h.\n"
+	got := Splice(doc, "## B\n\n| b | 2 |\n\n_B again._\n\n## C\n\n| c | 1 |\n")
+	want := "# inpod benchmarks\n\n## A\n\n| a | 1 |\n\n## B\n\n| b | 2 |\n\n_B again._\n\n## C\n\n| c | 1 |\n\nMeasured by `make bench` on h.\n"
+	if got != want {
+		t.Errorf("got\n%s\nwant\n%s", got, want)
+	}
+	got = Splice(want, "## A\n\n| a | 3 |\n")
+	want = strings.Replace(want, "| a | 1 |", "| a | 3 |", 1)
+	if got != want {
+		t.Errorf("replacing the first section: got\n%s\nwant\n%s", got, want)
+	}
+}
