@@ -30,7 +30,7 @@ const namespace = "inpod-system"
 
 // render runs helm template on the chart (helm as make deps installs it)
 // and returns the objects.
-func render(t *testing.T, args ...string) []*unstructured.Unstructured {
+func render(t testing.TB, args ...string) []*unstructured.Unstructured {
 	t.Helper()
 	repo := testkit.RepoDir(t)
 	helm := filepath.Join(repo, "bin", "helm")
@@ -47,7 +47,7 @@ func render(t *testing.T, args ...string) []*unstructured.Unstructured {
 	return decode(t, out)
 }
 
-func decode(t *testing.T, data []byte) []*unstructured.Unstructured {
+func decode(t testing.TB, data []byte) []*unstructured.Unstructured {
 	t.Helper()
 	var objs []*unstructured.Unstructured
 	dec := yaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
@@ -72,7 +72,7 @@ type apiserver struct {
 	mapper meta.RESTMapper
 }
 
-func startAPIServer(t *testing.T) *apiserver {
+func startAPIServer(t testing.TB) *apiserver {
 	t.Helper()
 	cp := clustertest.ControlPlane(t, cluster.Config{})
 	dyn, err := dynamic.NewForConfig(cp.Rest)
@@ -87,7 +87,7 @@ func startAPIServer(t *testing.T) *apiserver {
 
 // create creates objs, or with dryRun has the API server validate and
 // admit them without storing them (server-side dry run).
-func (a *apiserver) create(t *testing.T, dryRun bool, objs ...*unstructured.Unstructured) {
+func (a *apiserver) create(t testing.TB, dryRun bool, objs ...*unstructured.Unstructured) {
 	t.Helper()
 	opts := metav1.CreateOptions{FieldValidation: "Strict"}
 	if dryRun {
