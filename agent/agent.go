@@ -444,7 +444,8 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	if err != nil {
 		return nil, err
 	}
-	p.podInf, p.nsInf = newInformers(p.client, meta, cfg.NodeName)
+	policy := enrollment.Policy{ExcludedNamespaces: cfg.ExcludedNamespaces, Label: cfg.EnrollmentLabel}
+	p.podInf, p.nsInf = newInformers(p.client, meta, cfg.NodeName, policy.LabelName())
 	p.pods = &podCache{client: p.client, node: cfg.NodeName, pods: p.podInf.Core().V1().Pods().Lister(),
 		namespaces: metadatalister.New(p.nsInf.ForResource(namespacesResource).Informer().GetIndexer(), namespacesResource), cacheWait: 5 * time.Second}
 	a.pods = p.pods
@@ -452,7 +453,6 @@ func (a *Agent) build(ctx context.Context) (_ *pieces, err error) {
 	// the pipeline once it exists.
 	p.activity = &cniActivity{}
 	p.annotations = enroll.NewAnnotationWriter(p.client, p.activity, a.log)
-	policy := enrollment.Policy{ExcludedNamespaces: cfg.ExcludedNamespaces, Label: cfg.EnrollmentLabel}
 	if p.passList, err = passlist.Open(p.passListPath, p.pods.notEnrolled(policy), a.log); err != nil {
 		return nil, err
 	}

@@ -46,14 +46,14 @@ var namespacesResource = corev1.SchemeGroupVersion.WithResource("namespaces")
 // the agent's whole life, on every node, and the rest of each object (its
 // containers, volumes, managedFields, status of each container) was most
 // of the agent's heap. Namespaces are watched as metadata only, since
-// labels are all the policy reads of them.
-func newInformers(client kubernetes.Interface, meta metadata.Interface, node string) (informers.SharedInformerFactory, metadatainformer.SharedInformerFactory) {
+// their enrollment label is all the policy reads of them.
+func newInformers(client kubernetes.Interface, meta metadata.Interface, node, enrollmentLabel string) (informers.SharedInformerFactory, metadatainformer.SharedInformerFactory) {
 	podInf := informers.NewSharedInformerFactoryWithOptions(client, 0,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", node).String()
 		}),
 		informers.WithTransform(trimPod))
-	nsInf := metadatainformer.NewSharedInformerFactoryWithOptions(meta, 0, metadatainformer.WithTransform(trimNamespace))
+	nsInf := metadatainformer.NewSharedInformerFactoryWithOptions(meta, 0, metadatainformer.WithTransform(trimNamespace(enrollmentLabel)))
 	return podInf, nsInf
 }
 
@@ -117,14 +117,24 @@ func trimPod(obj any) (any, error) {
 }
 
 // trimNamespace keeps of a namespace's metadata what the agent reads: its
-// name and labels (the enrollment label), and what identifies the object.
-func trimNamespace(obj any) (any, error) {
-	ns, ok := obj.(*metav1.PartialObjectMetadata)
-	if !ok {
-		return obj, nil
+// enrollment label, and what identifies the object. Every node's agent
+// holds every namespace of the cluster for its whole life: at 10,000
+// namespaces, their other labels (kubernetes.io/metadata.name on each, and
+// whatever teams add) were half of what the cache held
+// (BenchmarkIntegrationAgentInformersAtScale).
+func trimNamespace(enrollmentLabel string) func(obj any) (any, error) {
+	return func(obj any) (any, error) {
+		ns, ok := obj.(*metav1.PartialObjectMetadata)
+		if !ok {
+			return obj, nil
+		}
+		out := &metav1.PartialObjectMetadata{TypeMeta: ns.TypeMeta, ObjectMeta: metav1.ObjectMeta{
+			Name: ns.Name, UID: ns.UID, ResourceVersion: ns.ResourceVersion}}
+		if v, ok := ns.Labels[enrollmentLabel]; ok {
+			out.Labels = map[string]string{enrollmentLabel: v}
+		}
+		return out, nil
 	}
-	return &metav1.PartialObjectMetadata{TypeMeta: ns.TypeMeta, ObjectMeta: metav1.ObjectMeta{
-		Name: ns.Name, UID: ns.UID, ResourceVersion: ns.ResourceVersion, Labels: ns.Labels}}, nil
 }
 
 func (c *podCache) Pod(ctx context.Context, namespace, name string) (*corev1.Pod, error) {

@@ -195,10 +195,23 @@ func TestTrimNamespaceAndDaemonSetKeepWhatTheAgentReads(t *testing.T) {
 			Labels:        map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient, "kubernetes.io/metadata.name": "mesh"},
 			Annotations:   map[string]string{"kubectl.kubernetes.io/last-applied-configuration": "{}"},
 			ManagedFields: []metav1.ManagedFieldsEntry{{Manager: "kubectl"}}}}
-	obj, _ := trimNamespace(ns)
+	obj, _ := trimNamespace(enrollment.DataplaneModeLabel)(ns)
 	got := obj.(*metav1.PartialObjectMetadata)
-	if got.Name != ns.Name || !reflect.DeepEqual(got.Labels, ns.Labels) || got.ResourceVersion != ns.ResourceVersion || got.UID != ns.UID {
-		t.Errorf("trimmed namespace %+v lost what the agent reads of %+v", got, ns)
+	if got.Name != ns.Name || got.ResourceVersion != ns.ResourceVersion || got.UID != ns.UID ||
+		!reflect.DeepEqual(got.Labels, map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient}) {
+		t.Errorf("trimmed namespace %+v: want its name, UID, resourceVersion and only the enrollment label of %+v", got, ns)
+	}
+	// Another enrollment label (the agent's --enrollment-label) is kept
+	// instead; a namespace without it keeps no labels at all.
+	obj, _ = trimNamespace("example.com/mesh")(ns)
+	if l := obj.(*metav1.PartialObjectMetadata).Labels; l != nil {
+		t.Errorf("trimmed for example.com/mesh, a namespace without that label keeps %v", l)
+	}
+	custom := ns.DeepCopy()
+	custom.Labels["example.com/mesh"] = enrollment.DataplaneAmbient
+	obj, _ = trimNamespace("example.com/mesh")(custom)
+	if l := obj.(*metav1.PartialObjectMetadata).Labels; !reflect.DeepEqual(l, map[string]string{"example.com/mesh": enrollment.DataplaneAmbient}) {
+		t.Errorf("trimmed for example.com/mesh: labels %v", l)
 	}
 	if len(got.ManagedFields) > 0 || len(got.Annotations) > 0 {
 		t.Errorf("trimmed namespace keeps what the agent never reads: %+v", got)

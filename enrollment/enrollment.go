@@ -41,7 +41,7 @@ func (p Policy) Enrolled(pod *corev1.Pod, ns *corev1.Namespace) bool {
 	if enrolled, decided := p.ByPod(pod); decided {
 		return enrolled
 	}
-	return ns != nil && ns.Labels[p.label()] == DataplaneAmbient
+	return ns != nil && ns.Labels[p.LabelName()] == DataplaneAmbient
 }
 
 // ByPod decides from the pod alone where it can; decided is false when the
@@ -51,7 +51,7 @@ func (p Policy) ByPod(pod *corev1.Pod) (enrolled, decided bool) {
 	if pod == nil || pod.Spec.HostNetwork || slices.Contains(p.ExcludedNamespaces, pod.Namespace) {
 		return false, true
 	}
-	switch pod.Labels[p.label()] {
+	switch pod.Labels[p.LabelName()] {
 	case DataplaneAmbient:
 		return true, true
 	case DataplaneNone:
@@ -60,7 +60,9 @@ func (p Policy) ByPod(pod *corev1.Pod) (enrolled, decided bool) {
 	return false, false
 }
 
-func (p Policy) label() string {
+// LabelName is the label the policy reads on pods and namespaces: Label,
+// or Istio's when it is empty.
+func (p Policy) LabelName() string {
 	if p.Label == "" {
 		return DataplaneModeLabel
 	}
