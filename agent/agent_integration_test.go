@@ -67,9 +67,14 @@ type world struct {
 
 func newWorld(t testing.TB) *world {
 	t.Helper()
-	ctx := context.Background()
-	cp := clustertest.ControlPlane(t, cluster.Config{})
+	return newWorldOn(t, clustertest.ControlPlane(t, cluster.Config{}))
+}
 
+// newWorldOn is newWorld on a control plane the test started (and may
+// have filled).
+func newWorldOn(t testing.TB, cp *cluster.ControlPlane) *world {
+	t.Helper()
+	ctx := context.Background()
 	w := &world{t: t, cp: cp, client: cp.Client, node: netnstest.New(t)}
 	w.nodeNS = w.node.Open(t)
 	dir := t.TempDir()
@@ -474,7 +479,7 @@ func TestIntegrationAgentEnrollsFollowsLabelsAndRemoves(t *testing.T) {
 }
 
 // buildAgent builds cmd/inpod-agent for the test.
-func buildAgent(t *testing.T) string {
+func buildAgent(t testing.TB) string {
 	t.Helper()
 	bin := filepath.Join(t.TempDir(), "inpod-agent")
 	if out, err := exec.Command("go", "build", "-o", bin, "../cmd/inpod-agent").CombinedOutput(); err != nil {

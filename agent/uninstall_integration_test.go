@@ -257,7 +257,7 @@ func TestIntegrationShutdownAfterTheNodeLeavesItsDaemonSetRemovesInpod(t *testin
 	w.applyRBAC()
 	ds, self := w.agentDaemonSet("inpod-agent")
 	ds.Spec.Template.Spec.NodeSelector = map[string]string{"inpod": "yes"}
-	if ds, err = w.client.AppsV1().DaemonSets(agentNS).Update(ctx, ds, metav1.UpdateOptions{}); err != nil {
+	if _, err := w.client.AppsV1().DaemonSets(agentNS).Update(ctx, ds, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	w.cfg.CNIOwnedFile = agent.DefaultCNIOwnedFile
