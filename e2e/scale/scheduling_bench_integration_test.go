@@ -30,8 +30,8 @@ import (
 // INPOD_SCALE_PODS enrolled pods (default 5,000) on INPOD_SCALE_NODES
 // simulated nodes (default 1,000), created before the scheduler starts so
 // its throughput is its own (pods/s between the first and the last
-// binding) and its per-pod attempt latency (its own histogram,
-// scheduler_scheduling_attempt_duration_seconds); (2) a readiness flip of
+// binding) and its per-pod algorithm latency (its own histogram,
+// scheduler_scheduling_algorithm_duration_seconds); (2) a readiness flip of
 // 10 % of the nodes at once: from the not-ready writes to the object the
 // scheduler filters on showing it (seen by a watch, as the scheduler's
 // informer sees it), then, with a probe pod pinned to each such node and
@@ -70,10 +70,10 @@ func BenchmarkIntegrationScaleScheduling(b *testing.B) {
 		what := fmt.Sprintf("%s: %d enrolled pods on %d nodes", g.name, pods, nodes)
 		benchreport.Record(b, benchreport.Figure{Section: sec, Name: what + ", scheduling throughput", Value: r.podsPerSec, Unit: "pods/s",
 			FloorName: "without inpod", Floor: floor.podsPerSec, Target: throughputTarget})
-		benchreport.Record(b, benchreport.Figure{Section: sec, Name: what + ", scheduling attempt p50", Value: benchreport.Ms(r.attemptP50), Unit: "ms",
-			FloorName: "without inpod", Floor: benchreport.Ms(floor.attemptP50), Target: "measured"})
-		benchreport.Record(b, benchreport.Figure{Section: sec, Name: what + ", scheduling attempt p99", Value: benchreport.Ms(r.attemptP99), Unit: "ms",
-			FloorName: "without inpod", Floor: benchreport.Ms(floor.attemptP99), Target: "measured"})
+		benchreport.Record(b, benchreport.Figure{Section: sec, Name: what + ", scheduling algorithm per pod (filters, scores), p50", Value: benchreport.Ms(r.algorithmP50), Unit: "ms",
+			FloorName: "without inpod", Floor: benchreport.Ms(floor.algorithmP50), Target: "measured"})
+		benchreport.Record(b, benchreport.Figure{Section: sec, Name: what + ", scheduling algorithm per pod (filters, scores), p99", Value: benchreport.Ms(r.algorithmP99), Unit: "ms",
+			FloorName: "without inpod", Floor: benchreport.Ms(floor.algorithmP99), Target: "measured"})
 		flip := fmt.Sprintf("%s: %d of %d nodes turn not ready at once", g.name, flips, nodes)
 		benchreport.Record(b, benchreport.Figure{Section: sec, Name: flip + ", not-ready write → closed to the scheduler, p99",
 			Value: benchreport.Ms(benchreport.Percentile(r.stop, 99)), Unit: "ms",
@@ -88,8 +88,9 @@ func BenchmarkIntegrationScaleScheduling(b *testing.B) {
 }
 
 type schedResult struct {
-	podsPerSec             float64
-	attemptP50, attemptP99 time.Duration
+	podsPerSec float64
+	// algorithmP50/P99: the scheduler's filters and scores per pod.
+	algorithmP50, algorithmP99 time.Duration
 	// stop: per flipped node, its not-ready write → the scheduler's
 	// object showing it closed; resume: its ready write → its probe pod
 	// bound.
@@ -130,11 +131,16 @@ func runScheduling(b *testing.B, g gate, nodes, pods, flips int, controllerBin s
 	slices.SortFunc(binds, func(x, y time.Time) int { return x.Compare(y) })
 	r := &schedResult{podsPerSec: float64(len(binds)-1) / binds[len(binds)-1].Sub(binds[0]).Seconds()}
 	metrics := w.scrape(ctx, b, sched.MetricsURL)
+	// The algorithm (filters and scores) is the scheduler's own work per
+	// pod; an attempt adds the binding, an API call, whose latency in a
+	// burst of thousands is the apiserver's queue on two cores.
+	algorithm := parseHistogram(metrics, "scheduler_scheduling_algorithm_duration_seconds")
 	attempts := parseHistogram(metrics, "scheduler_scheduling_attempt_duration_seconds", `result="scheduled"`)
-	r.attemptP50, r.attemptP99 = attempts.quantile(0.5), attempts.quantile(0.99)
-	b.Logf("%s: %d pods bound in %s from the scheduler's start (%s from the first binding): %.0f pods/s; scheduling attempt p50 %s, p99 %s (%v attempts)",
+	r.algorithmP50, r.algorithmP99 = algorithm.quantile(0.5), algorithm.quantile(0.99)
+	b.Logf("%s: %d pods bound in %s from the scheduler's start (%s from the first binding): %.0f pods/s; scheduling algorithm p50 %s, p99 %s (%v runs); attempt with binding p50 %s, p99 %s",
 		g.name, len(binds), binds[len(binds)-1].Sub(schedStart).Round(time.Millisecond), binds[len(binds)-1].Sub(binds[0]).Round(time.Millisecond),
-		r.podsPerSec, r.attemptP50.Round(time.Microsecond), r.attemptP99.Round(time.Microsecond), attempts.count())
+		r.podsPerSec, r.algorithmP50.Round(time.Microsecond), r.algorithmP99.Round(time.Microsecond), algorithm.count(),
+		attempts.quantile(0.5).Round(time.Microsecond), attempts.quantile(0.99).Round(time.Microsecond))
 	if g.request {
 		claims, err := w.cs.ResourceV1().ResourceClaims(benchNS).List(ctx, metav1.ListOptions{})
 		if err != nil {
