@@ -9,7 +9,7 @@ export PATH := $(BIN):$(PATH)
 # The protoc release whose output is committed in zds/zdspb (Debian 12's).
 PROTOC_VERSION := 3.21.12
 
-.PHONY: all help deps build generate check-generated lint test test-unit test-fuzz fuzz test-integration test-e2e \
+.PHONY: all help deps build generate check-generated lint test test-unit test-fuzz fuzz test-integration test-e2e bench-scale \
 	soak bench k8s-bins cluster-up cluster-down clean images release manifests chart-docs check-chart demo demo-down
 
 all: build
@@ -184,7 +184,28 @@ bench: deps ## [measure] every benchmark; one report of every figure next to its
 # outside the mesh on a real node per gate mode (tag e2e, under the e2e
 # lock); benchreport.HeadlineSection puts it first in the report.
 	$(K8S_ENV) flock /tmp/inpod-e2e.lock env $(BENCH) -tags e2e -bench E2EPodStartup -benchtime 1x -timeout 40m ./e2e/
+	$(call scale_benchmarks,$(BENCH_FIGURES))
 	$(GO) run ./internal/benchreport/cmd/benchreport -in $(BENCH_FIGURES) -out $(CURDIR)/docs/benchmarks.md
+
+# Past one node: what each gate costs the cluster's shared parts (the
+# scheduler, admission, the taint controller, the agent's informers) on a
+# real etcd + kube-apiserver + kube-scheduler with simulated nodes (Node
+# objects, no kubelets), each beside the same run without inpod. Sizes:
+# INPOD_SCALE_NODES (default 1000) and INPOD_SCALE_PODS (5 a node) for
+# scheduling, INPOD_SCALE_TAINT_NODES (5000) for the taint controller,
+# INPOD_BENCH_ADMISSION_PODS (1500 a stream, at 100/s),
+# INPOD_BENCH_AGENT_SCALE (1: 10,000 namespaces, 100,000 pods).
+# No local node: it needs no e2e lock, but a quiet machine.
+define scale_benchmarks
+	$(K8S_ENV) INPOD_BENCH_REPORT=$(1) $(GO) test -count=1 -run '^$$' -tags integration -bench IntegrationScale -benchtime 1x -timeout 60m ./e2e/scale/
+	$(K8S_ENV) INPOD_BENCH_REPORT=$(1) $(GO) test -count=1 -run '^$$' -tags integration -bench IntegrationAdmission -benchtime 1x -timeout 20m ./deploy/
+	$(K8S_ENV) INPOD_BENCH_REPORT=$(1) $(GO) test -count=1 -run '^$$' -tags integration -bench IntegrationAgentInformersAtScale -benchtime 1x -timeout 40m ./agent/
+endef
+SCALE_FIGURES := $(BIN)/bench-scale-figures.jsonl
+bench-scale: deps ## [measure] past one node: each gate's cost to the scheduler, admission, the taint controller and the agent at 1,000-5,000 simulated nodes; prints the table and puts it in docs/benchmarks.md (~25 min)
+	@mkdir -p $(BIN) && : > $(SCALE_FIGURES)
+	$(call scale_benchmarks,$(SCALE_FIGURES))
+	$(GO) run ./internal/benchreport/cmd/benchreport -in $(SCALE_FIGURES) -update $(CURDIR)/docs/benchmarks.md -by 'make bench-scale'
 
 # Pinned Kubernetes and etcd binaries for the test node, cached outside the
 # repo (INPOD_CACHE_DIR, default /var/cache/inpod): ~17 min cold, seconds warm.
