@@ -57,6 +57,31 @@ func parseHistogram(text, name string, match ...string) histogram {
 	return h
 }
 
+var sumCountLine = regexp.MustCompile(`^(\w+)_(sum|count)(?:\{(.*)\})? (\S+)$`)
+
+// parseMean is the exact mean of name's observations (its _sum over its
+// _count), over the label sets that contain every one of match: unlike a
+// quantile, not bound to the buckets.
+func parseMean(text, name string, match ...string) time.Duration {
+	var sum, count float64
+	for _, line := range strings.Split(text, "\n") {
+		m := sumCountLine.FindStringSubmatch(line)
+		if m == nil || m[1] != name || slices.ContainsFunc(match, func(s string) bool { return !strings.Contains(m[3], s) }) {
+			continue
+		}
+		v, _ := strconv.ParseFloat(m[4], 64)
+		if m[2] == "sum" {
+			sum += v
+		} else {
+			count += v
+		}
+	}
+	if count == 0 {
+		return 0
+	}
+	return time.Duration(sum / count * float64(time.Second))
+}
+
 // sub is h minus an earlier scrape of the same histogram.
 func (h histogram) sub(earlier histogram) histogram {
 	out := histogram{bounds: h.bounds, counts: slices.Clone(h.counts)}
@@ -123,6 +148,10 @@ scheduler_scheduling_attempt_duration_seconds_sum{profile="default-scheduler",re
 		if got := h.quantile(c.q); got.Round(time.Microsecond) != c.want {
 			t.Errorf("quantile(%v) = %s, want %s", c.q, got, c.want)
 		}
+	}
+	if m := parseMean(text+`scheduler_scheduling_attempt_duration_seconds_count{profile="default-scheduler",result="scheduled"} 100
+`, "scheduler_scheduling_attempt_duration_seconds", `result="scheduled"`); m != 2*time.Millisecond {
+		t.Errorf("mean %s, want 2ms (0.2 s over 100)", m)
 	}
 	earlier := parseHistogram(strings.ReplaceAll(text, "} 100", "} 60"), "scheduler_scheduling_attempt_duration_seconds", `result="scheduled"`)
 	if d := h.sub(earlier); d.count() != 40 {

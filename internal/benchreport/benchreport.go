@@ -196,11 +196,16 @@ const HeadlineSection = "Pod start-up (create → Ready)"
 // window is the kubelet's node-status sync, up to 10 s, measured by e2e.)
 const SchedulerSeesSection = "Readiness change visible to the scheduler, per gate mode"
 
-// ScaleSection gathers what inpod costs the cluster's shared parts past one
-// node (make bench-scale): the scheduler, admission, the taint controller
-// and the agent's informers, on a real control plane with simulated nodes,
-// each figure beside the same run without inpod.
-const ScaleSection = "Past one node: the cluster's shared parts (real control plane, simulated nodes)"
+// The sections of make bench-scale: what inpod costs the cluster's shared
+// parts past one node, on a real control plane with simulated nodes, each
+// figure beside the same run without inpod. One section a benchmark, so
+// one run alone (benchreport -update) replaces only its own rows.
+const (
+	ScaleSchedulingSection = "Past one node: the scheduler and readiness flips, per gate (real scheduler, simulated nodes)"
+	ScaleTaintSection      = "Past one node: the taint controller (simulated nodes)"
+	ScaleAdmissionSection  = "Past one node: admission, per mode (pod creates at 100/s)"
+	ScaleAgentSection      = "Past one node: the agent in a big cluster"
+)
 
 // Splice puts the sections of part (a report Render wrote, its title line
 // dropped) into doc, a whole report: a section doc has is replaced, one it
@@ -209,8 +214,10 @@ const ScaleSection = "Past one node: the cluster's shared parts (real control pl
 // bench-scale) updates its part of the report without losing the rest.
 func Splice(doc, part string) string {
 	for _, sec := range sections(part) {
+		// The heading at the start of a line: "### X" is not "## X".
 		head := sec[:strings.Index(sec, "\n")+1]
-		if i := strings.Index(doc, head); i >= 0 {
+		if i := strings.Index(doc, "\n"+head); i >= 0 {
+			i++
 			end := len(doc)
 			if j := strings.Index(doc[i+len(head):], "\n## "); j >= 0 {
 				end = i + len(head) + j + 1

@@ -87,6 +87,11 @@ func TestSpliceReplacesItsSectionsAndKeepsTheRest(t *testing.T) {
 	if got != want {
 		t.Errorf("got\n%s\nwant\n%s", got, want)
 	}
+	// A deeper heading of the same name is not the section.
+	deeper := strings.Replace(want, "## A\n", "### A\n\n## A\n", 1)
+	if got := Splice(deeper, "## A\n\n| a | 3 |\n"); !strings.Contains(got, "### A\n\n## A\n\n| a | 3 |") {
+		t.Errorf("a ### heading taken for the ## section:\n%s", got)
+	}
 	got = Splice(want, "## A\n\n| a | 3 |\n")
 	want = strings.Replace(want, "| a | 1 |", "| a | 3 |", 1)
 	if got != want {
