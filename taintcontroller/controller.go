@@ -359,10 +359,12 @@ func (c *Controller) Run(parent context.Context) error {
 func (c *Controller) lead(ctx context.Context) error {
 	client := c.cfg.Client
 	nodeFactory := informers.NewSharedInformerFactoryWithOptions(client, 0,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = c.nodeSel.String() }))
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = c.nodeSel.String() }),
+		informers.WithTransform(trimNode))
 	podFactory := informers.NewSharedInformerFactoryWithOptions(client, 0,
 		informers.WithNamespace(c.cfg.AgentNamespace),
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = c.cfg.AgentSelector }))
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = c.cfg.AgentSelector }),
+		informers.WithTransform(trimAgentPod))
 	nodeInf := nodeFactory.Core().V1().Nodes()
 	podInf := podFactory.Core().V1().Pods()
 	if err := podInf.Informer().AddIndexers(cache.Indexers{podNodeIndex: func(obj any) ([]string, error) {
