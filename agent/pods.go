@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"fmt"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -117,21 +118,22 @@ func trimPod(obj any) (any, error) {
 }
 
 // trimNamespace keeps of a namespace's metadata what the agent reads: its
-// enrollment label, and what identifies the object. Every node's agent
-// holds every namespace of the cluster for its whole life: at 10,000
-// namespaces, their other labels (kubernetes.io/metadata.name on each, and
-// whatever teams add) were half of what the cache held
-// (BenchmarkIntegrationAgentInformersAtScale).
+// name and its enrollment label. Every node's agent holds every namespace
+// of the cluster for its whole life: at 10,000 namespaces, their other
+// labels (kubernetes.io/metadata.name on each, and whatever teams add) were
+// half of what the cache held (BenchmarkIntegrationAgentInformersAtScale).
+// The kept strings are copied: a decoded object's strings sit among the
+// garbage of the list that brought them, and would keep its memory
+// fragmented for as long as the agent runs.
 func trimNamespace(enrollmentLabel string) func(obj any) (any, error) {
 	return func(obj any) (any, error) {
 		ns, ok := obj.(*metav1.PartialObjectMetadata)
 		if !ok {
 			return obj, nil
 		}
-		out := &metav1.PartialObjectMetadata{TypeMeta: ns.TypeMeta, ObjectMeta: metav1.ObjectMeta{
-			Name: ns.Name, UID: ns.UID, ResourceVersion: ns.ResourceVersion}}
+		out := &metav1.PartialObjectMetadata{TypeMeta: ns.TypeMeta, ObjectMeta: metav1.ObjectMeta{Name: strings.Clone(ns.Name)}}
 		if v, ok := ns.Labels[enrollmentLabel]; ok {
-			out.Labels = map[string]string{enrollmentLabel: v}
+			out.Labels = map[string]string{enrollmentLabel: strings.Clone(v)}
 		}
 		return out, nil
 	}
