@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/inpod-dev/inpod/deviceplugin"
 	ztunnel "github.com/inpod-dev/inpod/zds/zdstest"
 )
 
@@ -116,5 +117,48 @@ func TestE2ESoakJudgeTamperBound(t *testing.T) {
 		if back != c.back || !late.IsZero() != c.violated {
 			t.Errorf("%s: back after %s, late at %v; want back after %s, violated %v", c.name, back, late, c.back, c.violated)
 		}
+	}
+}
+
+// An admission while the agent reports not ready is the device-plugin
+// gate's close when it comes within the close's timeout of the not-ready
+// run's start (the devices stay Healthy until the pods bound before are
+// admitted); later, the gate did not close; with a ready sample near it,
+// it was no not-ready admission at all.
+func TestE2ESoakJudgeAdmissionDuringTheGatesClose(t *testing.T) {
+	at := func(ms int) time.Time { return time.Unix(1000, int64(ms)*int64(time.Millisecond)) }
+	samples := func(notReadyFrom int) []readySample {
+		var out []readySample
+		for ms := 0; ms <= 20000; ms += 500 {
+			v := 1.0
+			if ms >= notReadyFrom {
+				v = 0
+			}
+			out = append(out, readySample{at(ms), v})
+		}
+		return out
+	}
+	s := samples(5000)
+	for _, c := range []struct {
+		name string
+		at   int
+		want admission
+	}{
+		{"while ready", 2000, admittedReady},
+		{"a ready sample within a second", 5400, admittedReady},
+		{"1.5 s into the run: the close (the CI soak's case)", 6500, admittedWhileClosing},
+		{"at the close's timeout and its second of slack", 5000 + int(deviceplugin.DefaultCloseTimeout/time.Millisecond) + 1000, admittedWhileClosing},
+		{"past it: the gate did not close", 5000 + int(deviceplugin.DefaultCloseTimeout/time.Millisecond) + 1500, admittedNotReady},
+	} {
+		got, since := admissionVerdict(s, at(c.at))
+		if got != c.want {
+			t.Errorf("%s: verdict %d, want %d (not ready since %s)", c.name, got, c.want, since.Format("15:04:05.000"))
+		}
+	}
+	// An unreadable sample (the agent down) breaks the run: not ready since
+	// after it.
+	s[12].ready = -1 // 6 s
+	if got, since := admissionVerdict(s, at(13000)); got != admittedNotReady || !since.Equal(at(6500)) {
+		t.Errorf("after an unreadable sample: verdict %d since %s, want not ready since 6.5 s", got, since)
 	}
 }
