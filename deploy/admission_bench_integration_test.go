@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"maps"
-	"net"
 	"os"
 	"regexp"
 	"slices"
@@ -28,11 +27,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
-	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/benchreport"
 	"github.com/inpod-dev/inpod/internal/requestcases"
 	"github.com/inpod-dev/inpod/internal/testkit"
-	"github.com/inpod-dev/inpod/requestwebhook"
 )
 
 // admissionRate is issue 38's pace for the admission figures, in pods/s.
@@ -306,45 +303,13 @@ func (a *apiserver) startRequestWebhook(b *testing.B) *unstructured.Unstructured
 	ca := requestcases.WriteServingCert(b, certDir, 1)
 	objs := render(b, "--set", "enrollment.autoRequest.mode=webhook", "--set", "controller.enabled=true",
 		"--set", "enrollment.autoRequest.webhook.caBundle="+base64.StdEncoding.EncodeToString(ca))
-	w, err := requestwebhook.New(requestwebhook.Config{
-		Client:        a.Client,
-		Policy:        enrollment.Policy{ExcludedNamespaces: []string{requestcases.Excluded}, Label: requestcases.Label},
-		ResourceName:  requestcases.ResourceName,
-		ReadinessGate: true,
-		OwnNamespace:  requestcases.Own,
-		CertDir:       certDir,
-	})
-	if err != nil {
-		b.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- w.Serve(ctx, ln) }()
-	b.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			b.Error(err)
-		}
-	})
-
+	addr, _ := serveRequestWebhook(b, context.Background(), a.Client, certDir)
 	mwcs := kinds(objs, "MutatingWebhookConfiguration")
 	if len(mwcs) != 1 {
 		b.Fatalf("%d MutatingWebhookConfigurations rendered", len(mwcs))
 	}
+	pointWebhooksAt(b, mwcs[0], addr)
 	mwc := mwcs[0]
-	hooks, _, _ := unstructured.NestedSlice(mwc.Object, "webhooks")
-	for _, h := range hooks {
-		cc := h.(map[string]any)["clientConfig"].(map[string]any)
-		delete(cc, "service")
-		cc["url"] = "https://" + ln.Addr().String() + requestwebhook.Path
-	}
-	if err := unstructured.SetNestedSlice(mwc.Object, hooks, "webhooks"); err != nil {
-		b.Fatal(err)
-	}
 	return mwc
 }
 

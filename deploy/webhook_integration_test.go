@@ -8,6 +8,7 @@ import (
 	"net"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 
 	authenticationv1 "k8s.io/api/authentication/v1"
@@ -83,6 +84,51 @@ func TestIntegrationResourceRequestWebhook(t *testing.T) {
 			t.Fatalf("the controller's args %v lack %s", args, want)
 		}
 	}
+	addr, stop := serveRequestWebhook(t, ctx, client, certDir)
+
+	mwcs := kinds(objs, "MutatingWebhookConfiguration")
+	if len(mwcs) != 1 {
+		t.Fatalf("%d MutatingWebhookConfigurations rendered", len(mwcs))
+	}
+	mwc := mwcs[0]
+	hooks, _, _ := unstructured.NestedSlice(mwc.Object, "webhooks")
+	for _, h := range hooks {
+		cc := h.(map[string]any)["clientConfig"].(map[string]any)
+		svc := cc["service"].(map[string]any)
+		if svc["name"] != "inpod-webhook" || svc["path"] != requestwebhook.Path || cc["caBundle"] == nil {
+			t.Fatalf("clientConfig %v: want the Service inpod-webhook, path %s, a caBundle", cc, requestwebhook.Path)
+		}
+		if p := h.(map[string]any)["failurePolicy"]; p != "Ignore" {
+			t.Errorf("failurePolicy %v, want Ignore", p)
+		}
+	}
+	pointWebhooksAt(t, mwc, addr)
+	a.create(t, false, mwc)
+	a.checkRequestCases(t, "the webhook")
+
+	// The controller down: pods are still created, unchanged (Ignore).
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	p := requestcases.Cases()[0].Pod
+	got, err := a.Client.CoreV1().Pods(p.Namespace).Create(ctx, p, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+	if err != nil {
+		t.Fatalf("webhook down: an enrolled pod's creation failed: %v", err)
+	}
+	if requestcases.Requested(got) || requestcases.HasReadinessGate(got) {
+		t.Error("webhook down: the pod has the request or the readiness gate")
+	}
+	if !strings.Contains(p.Namespace, "mesh") {
+		t.Fatalf("case 0 is not an enrolled pod: %s", p.Namespace)
+	}
+}
+
+// serveRequestWebhook runs the request webhook as the chart's default
+// install configures it (the request and the readiness gate), with the
+// serving certificate in certDir, until stop or the test's end; it returns
+// its address.
+func serveRequestWebhook(t testing.TB, ctx context.Context, client kubernetes.Interface, certDir string) (addr string, stop func() error) {
+	t.Helper()
 	w, err := requestwebhook.New(requestwebhook.Config{
 		Client:        client,
 		Policy:        enrollment.Policy{ExcludedNamespaces: []string{requestcases.Excluded}, Label: requestcases.Label},
@@ -101,52 +147,31 @@ func TestIntegrationResourceRequestWebhook(t *testing.T) {
 	wctx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- w.Serve(wctx, ln) }()
+	var once sync.Once
+	var served error
+	stop = func() error {
+		once.Do(func() { cancel(); served = <-done })
+		return served
+	}
 	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
+		if err := stop(); err != nil {
 			t.Error(err)
 		}
 	})
+	return ln.Addr().String(), stop
+}
 
-	mwcs := kinds(objs, "MutatingWebhookConfiguration")
-	if len(mwcs) != 1 {
-		t.Fatalf("%d MutatingWebhookConfigurations rendered", len(mwcs))
-	}
-	mwc := mwcs[0]
+// pointWebhooksAt sends the rendered MutatingWebhookConfiguration's calls to
+// addr instead of the chart's Service, which no cluster here runs.
+func pointWebhooksAt(t testing.TB, mwc *unstructured.Unstructured, addr string) {
+	t.Helper()
 	hooks, _, _ := unstructured.NestedSlice(mwc.Object, "webhooks")
 	for _, h := range hooks {
 		cc := h.(map[string]any)["clientConfig"].(map[string]any)
-		svc := cc["service"].(map[string]any)
-		if svc["name"] != "inpod-webhook" || svc["path"] != requestwebhook.Path || cc["caBundle"] == nil {
-			t.Fatalf("clientConfig %v: want the Service inpod-webhook, path %s, a caBundle", cc, requestwebhook.Path)
-		}
-		if p := h.(map[string]any)["failurePolicy"]; p != "Ignore" {
-			t.Errorf("failurePolicy %v, want Ignore", p)
-		}
 		delete(cc, "service")
-		cc["url"] = "https://" + ln.Addr().String() + requestwebhook.Path
+		cc["url"] = "https://" + addr + requestwebhook.Path
 	}
 	if err := unstructured.SetNestedSlice(mwc.Object, hooks, "webhooks"); err != nil {
 		t.Fatal(err)
-	}
-	a.create(t, false, mwc)
-	a.checkRequestCases(t, "the webhook")
-
-	// The controller down: pods are still created, unchanged (Ignore).
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatal(err)
-	}
-	done <- nil
-	p := requestcases.Cases()[0].Pod
-	got, err := a.Client.CoreV1().Pods(p.Namespace).Create(ctx, p, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
-	if err != nil {
-		t.Fatalf("webhook down: an enrolled pod's creation failed: %v", err)
-	}
-	if requestcases.Requested(got) || requestcases.HasReadinessGate(got) {
-		t.Error("webhook down: the pod has the request or the readiness gate")
-	}
-	if !strings.Contains(p.Namespace, "mesh") {
-		t.Fatalf("case 0 is not an enrolled pod: %s", p.Namespace)
 	}
 }
