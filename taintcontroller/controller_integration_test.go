@@ -345,6 +345,9 @@ func TestIntegrationTaintConcurrentTaintChangeSurvives(t *testing.T) {
 			})
 			w.setCondition(t, "a", corev1.ConditionTrue)
 			w.waitTainted(t, "a", false)
+			// The untaint is visible before its answer is counted; the one
+			// worker has that answer once it has handled a later barrier.
+			w.barrier(t, nil)
 			if injected.Load() != 1 {
 				t.Fatal("the concurrent change was not injected")
 			}

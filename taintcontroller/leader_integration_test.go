@@ -81,6 +81,9 @@ func TestIntegrationTaintLeaderElection(t *testing.T) {
 			w.addAgentPod(t, "b", true)
 			w.setCondition(t, "b", corev1.ConditionTrue)
 			w.waitTainted(t, "b", false)
+			// The untaint is visible before its answer is counted; the one
+			// worker has that answer once it has handled a later barrier.
+			w.barrier(t, nil)
 			if follower.writes.accepted("PATCH nodes/b") != 1 {
 				t.Fatalf("the new leader patched node b %d times, want 1", follower.writes.accepted("PATCH nodes/b"))
 			}

@@ -145,6 +145,9 @@ func TestIntegrationConditionTransitions(t *testing.T) {
 			oc := ours(got)
 			return oc != nil && oc.Status == status && oc.Reason == reason && oc.Message == message
 		})
+		// The API shows the patch before its answer reaches the writer,
+		// which only then takes the write off its pending list.
+		testkit.Eventually(t, 10*time.Second, "the write answered", func() bool { return w.Pending() == 0 })
 		if !apiequality.Semantic.DeepEqual(others(got), others(pod)) {
 			t.Fatalf("the pod's other conditions changed:\n%+v\nwere\n%+v", others(got), others(pod))
 		}
