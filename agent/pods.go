@@ -70,7 +70,10 @@ var keptPodAnnotations = []string{enrollment.RedirectionAnnotation, enroll.Mirro
 //     sandbox; see enroll's sandboxMayHaveChanged); events on the pod need
 //     its name, namespace, UID and resourceVersion;
 //   - the verifier (enroll/verify.go): whether the pod's readiness gates
-//     include inpod.dev/redirected, and that condition's status;
+//     include inpod.dev/redirected; that condition's status, reason and
+//     message, which the condition writer (podcondition.Config.Current)
+//     compares with what it is asked to write: without them every restart
+//     would patch every gated pod to say what it already says;
 //   - the uninstall check (removal.go): spec.nodeName, deletionTimestamp,
 //     the controlling owner reference, labels, status.phase;
 //   - the hand-over (handover.go): the agent's own pod's creationTimestamp,
@@ -105,8 +108,12 @@ func trimPod(obj any) (any, error) {
 		out.OwnerReferences = []metav1.OwnerReference{*ref}
 	}
 	for _, c := range pod.Status.Conditions {
-		if c.Type == corev1.PodReadyToStartContainers || c.Type == enrollment.RedirectedCondition {
+		switch c.Type {
+		case corev1.PodReadyToStartContainers:
 			out.Status.Conditions = append(out.Status.Conditions, corev1.PodCondition{Type: c.Type, Status: c.Status, LastTransitionTime: c.LastTransitionTime})
+		case enrollment.RedirectedCondition:
+			out.Status.Conditions = append(out.Status.Conditions, corev1.PodCondition{Type: c.Type, Status: c.Status, LastTransitionTime: c.LastTransitionTime,
+				Reason: c.Reason, Message: c.Message})
 		}
 	}
 	for _, g := range pod.Spec.ReadinessGates {

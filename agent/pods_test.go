@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"log/slog"
 	"reflect"
 	"testing"
@@ -10,10 +11,15 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/client-go/kubernetes/scheme"
+	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/reference"
 
 	"github.com/inpod-dev/inpod/agent/enroll"
+	"github.com/inpod-dev/inpod/agent/podcondition"
 	"github.com/inpod-dev/inpod/enrollment"
 )
 
@@ -50,7 +56,7 @@ func readOf(t *testing.T, p *corev1.Pod) podRead {
 			sandboxReady = append(sandboxReady, corev1.PodCondition{Type: c.Type, Status: c.Status, LastTransitionTime: c.LastTransitionTime})
 		}
 		if c.Type == enrollment.RedirectedCondition {
-			redirected = append(redirected, corev1.PodCondition{Type: c.Type, Status: c.Status})
+			redirected = append(redirected, corev1.PodCondition{Type: c.Type, Status: c.Status, Reason: c.Reason, Message: c.Message})
 		}
 	}
 	return podRead{Name: p.Name, Namespace: p.Namespace, UID: string(p.UID), ResourceVersion: p.ResourceVersion, Labels: p.Labels,
@@ -130,7 +136,7 @@ func TestTrimPodKeepsWhatTheAgentReads(t *testing.T) {
 		"gated, proven": fullPod(func(p *corev1.Pod) {
 			p.Spec.ReadinessGates = []corev1.PodReadinessGate{{ConditionType: "example.com/other"}, {ConditionType: enrollment.RedirectedCondition}}
 			p.Status.Conditions = append(p.Status.Conditions, corev1.PodCondition{Type: enrollment.RedirectedCondition, Status: corev1.ConditionTrue,
-				Reason: enrollment.ReasonRedirected, Message: "long text the agent never reads", LastProbeTime: metav1.Now()})
+				Reason: enrollment.ReasonRedirected, Message: "redirection rules in place and ztunnel holds the pod", LastProbeTime: metav1.Now()})
 		}),
 		"other gate only": fullPod(func(p *corev1.Pod) {
 			p.Spec.ReadinessGates = []corev1.PodReadinessGate{{ConditionType: "example.com/other"}}
@@ -235,5 +241,39 @@ func TestTrimNamespaceAndDaemonSetKeepWhatTheAgentReads(t *testing.T) {
 	}
 	if len(d.ManagedFields) > 0 || len(d.Spec.Template.Spec.Containers) > 0 {
 		t.Errorf("trimmed DaemonSet keeps what the agent never reads: %+v", d)
+	}
+}
+
+// An agent restart costs no condition writes: a gated pod whose condition
+// already says what the new agent finds is not patched. The condition
+// writer compares with the pod as the agent's cache holds it, trimmed: the
+// trim must keep what it compares.
+func TestRestartWritesNoConditionAGatedPodCarries(t *testing.T) {
+	for _, tc := range []struct{ reason, message string }{
+		{enrollment.ReasonRedirected, enroll.MessageRedirected},
+		{enrollment.ReasonNotEnrolled, enroll.MessageNotEnrolled},
+	} {
+		t.Run(tc.reason, func(t *testing.T) {
+			pod := fullPod(func(p *corev1.Pod) {
+				p.Spec.ReadinessGates = []corev1.PodReadinessGate{{ConditionType: enrollment.RedirectedCondition}}
+				p.Status.Conditions = append(p.Status.Conditions, corev1.PodCondition{Type: enrollment.RedirectedCondition,
+					Status: corev1.ConditionTrue, Reason: tc.reason, Message: tc.message})
+			})
+			cached, _ := trimPod(pod.DeepCopy())
+			client := fake.NewClientset(pod)
+			patches := 0
+			client.PrependReactor("patch", "pods", func(k8stesting.Action) (bool, runtime.Object, error) {
+				patches++
+				return true, pod, nil
+			})
+			w := podcondition.New(podcondition.Config{Client: client, Current: func(types.NamespacedName) *corev1.Pod { return cached.(*corev1.Pod) }})
+			w.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, pod.UID, true, tc.reason, tc.message)
+			if err := w.Flush(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			if patches != 0 {
+				t.Fatalf("%d patches of a pod that carries True/%s already", patches, tc.reason)
+			}
+		})
 	}
 }

@@ -381,7 +381,7 @@ func (p *Pipeline) unenroll(ctx context.Context, uid types.UID, e *entry, runsOn
 	if runsOn && e.gated && p.cfg.Conditions != nil {
 		// Out of the mesh, the pod has nothing left to prove; the gate
 		// must not keep it from serving.
-		p.cfg.Conditions.Set(e.pod, uid, true, enrollment.ReasonNotEnrolled, "the pod is not in the mesh")
+		p.cfg.Conditions.Set(e.pod, uid, true, enrollment.ReasonNotEnrolled, MessageNotEnrolled)
 	}
 	if err := p.forget(uid); err != nil {
 		p.log.Warn("could not drop the pod's record; the next agent takes it for enrolled before", "pod", e.pod, "err", err)

@@ -73,7 +73,8 @@ type (
 		Settled() bool
 	}
 	// Conditions converge a pod's enrollment.RedirectedCondition, off the critical
-	// path (podcondition.Writer).
+	// path (podcondition.Writer). A Set of what the pod carries already
+	// must cost no API write: the pipeline asks again freely.
 	Conditions interface {
 		Set(pod types.NamespacedName, uid types.UID, proven bool, reason, message string)
 	}
@@ -83,6 +84,13 @@ type (
 		Repaired(kind string)
 		Unproven(n int)
 	}
+)
+
+// The messages of the condition's True reasons: the same text each time,
+// so an agent restart finds them already there and writes nothing.
+const (
+	MessageRedirected  = "redirection rules in place and ztunnel holds the pod"
+	MessageNotEnrolled = "the pod is not in the mesh"
 )
 
 // Repair kinds, for metrics and Events.
@@ -398,9 +406,12 @@ func ztunnelReason(err error) string {
 // settle records whether the pod's redirection is proven (loss "") and
 // reports a change: a Warning Event when a proven pod loses it (a failed
 // enrollment reports its own), and the pod condition either way. A
-// verification with the same outcome as the last writes nothing, and
-// neither does the first one of this agent that finds the pod's condition
-// already as it should be (an agent restart costs no API writes).
+// verification with the same outcome as the last writes nothing. The first
+// one of this agent always asks: the writer skips what the pod already
+// carries (an agent restart costs no API writes). Only the writer can tell:
+// it knows what it wrote that the cache does not show yet, and the cached
+// status alone took a pod labelled out and back (True/NotEnrolled from its
+// removal) for proven.
 func (p *Pipeline) settle(pod *corev1.Pod, e *entry, loss, detail string) {
 	proven := loss == ""
 	p.mu.Lock()
@@ -414,32 +425,14 @@ func (p *Pipeline) settle(pod *corev1.Pod, e *entry, loss, detail string) {
 	if known && was == proven && wasLoss == loss {
 		return
 	}
-	if !known && conditionIs(pod, proven) {
-		return
-	}
 	if proven {
 		if known {
 			p.log.Info("pod's redirection is proven again", "pod", e.pod, "uid", pod.UID)
 		}
-		p.setCondition(pod, true, enrollment.ReasonRedirected, "redirection rules in place and ztunnel holds the pod")
+		p.setCondition(pod, true, enrollment.ReasonRedirected, MessageRedirected)
 		return
 	}
 	p.setCondition(pod, false, loss, detail)
-}
-
-// conditionIs reports whether the pod (as cached) has enrollment.RedirectedCondition
-// with the status proven calls for.
-func conditionIs(pod *corev1.Pod, proven bool) bool {
-	want := corev1.ConditionFalse
-	if proven {
-		want = corev1.ConditionTrue
-	}
-	for _, c := range pod.Status.Conditions {
-		if c.Type == enrollment.RedirectedCondition {
-			return c.Status == want
-		}
-	}
-	return false
 }
 
 // setCondition converges the pod's condition, only on pods whose
@@ -504,21 +497,35 @@ func (p *Pipeline) verifySoon() {
 // caller knows the pod is not enrolled (positive knowledge) and holds its
 // lock.
 func (p *Pipeline) releaseGate(pod *corev1.Pod) {
-	if p.cfg.Conditions == nil || !enrollment.HasRedirectedGate(pod) || conditionIs(pod, true) {
+	if p.cfg.Conditions == nil || !enrollment.HasRedirectedGate(pod) {
 		return
 	}
-	p.cfg.Conditions.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, pod.UID, true, enrollment.ReasonNotEnrolled, "the pod is not in the mesh")
+	p.cfg.Conditions.Set(types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}, pod.UID, true, enrollment.ReasonNotEnrolled, MessageNotEnrolled)
 }
 
-// ReleaseGates lets every gated pod that is not proven become ready: inpod
-// is being removed from the node, so none of them is in the mesh any more
-// and nobody would set their condition again.
+// ReleaseGates lets every gated pod that is not Ready for want of the
+// condition become ready: inpod is being removed from the node, so none of
+// them is in the mesh any more and nobody would set their condition again.
+// A pod whose condition is True already is left as it is: rewriting every
+// enrolled pod's reason would be one API write per pod within the
+// removal's bound, for nothing a pod or a Service reads.
 func (p *Pipeline) ReleaseGates(pods []*corev1.Pod) {
 	for _, pod := range pods {
-		if pod.Status.Phase != corev1.PodSucceeded && pod.Status.Phase != corev1.PodFailed {
+		if pod.Status.Phase != corev1.PodSucceeded && pod.Status.Phase != corev1.PodFailed && !conditionTrue(pod) {
 			p.releaseGate(pod)
 		}
 	}
+}
+
+// conditionTrue reports whether the pod, as cached, carries
+// enrollment.RedirectedCondition True.
+func conditionTrue(pod *corev1.Pod) bool {
+	for _, c := range pod.Status.Conditions {
+		if c.Type == enrollment.RedirectedCondition {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
 }
 
 func (p *Pipeline) isProven(e *entry) bool {

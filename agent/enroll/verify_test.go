@@ -627,3 +627,79 @@ func TestGateIsReleasedOnlyForAPodThatRunsOn(t *testing.T) {
 		t.Fatalf("condition of a pod labelled out while it runs = %+v (%v); want True/%s", c, ok, enrollment.ReasonNotEnrolled)
 	}
 }
+
+// The soak's namespace flip: a gated pod labelled out of the mesh and back
+// while it runs. Taken out, it says True/NotEnrolled; taken back in, its
+// condition must say Redirected again, whatever the agent's cache shows of
+// it meanwhile: the NotEnrolled it was written (the cache caught up), or
+// the Redirected from before (the NotEnrolled write still on its way).
+func TestPodLabelledOutAndBackSaysRedirectedAgain(t *testing.T) {
+	for _, cachedReason := range []string{enrollment.ReasonNotEnrolled, enrollment.ReasonRedirected} {
+		t.Run("cached "+cachedReason, func(t *testing.T) {
+			f := newFixture(t)
+			f.standin(ztunnel.Config{})
+			pod, sb := f.gated(f.pod("mesh", "flipped", nil)), f.sandbox()
+			sb.RunAsPod(t, string(pod.UID))
+			if out, err := f.add(pod, sb, "c1"); out != cnievent.Redirected {
+				t.Fatalf("ADD = %q, %v", out, err)
+			}
+			f.running(pod, sb)
+			testkit.Eventually(t, waitFor, "the condition True/Redirected", func() bool {
+				c, ok := f.conds.of(pod.UID)
+				return ok && c.proven && c.reason == enrollment.ReasonRedirected
+			})
+			key := types.NamespacedName{Namespace: "mesh", Name: pod.Name}
+			f.labelNamespace("mesh", false)
+			if err := f.p.Reconcile(context.Background(), f.cached(key)); err != nil {
+				t.Fatal(err)
+			}
+			if c, _ := f.conds.of(pod.UID); !c.proven || c.reason != enrollment.ReasonNotEnrolled {
+				t.Fatalf("condition of the pod labelled out = %+v; want True/%s", c, enrollment.ReasonNotEnrolled)
+			}
+
+			f.labelNamespace("mesh", true)
+			back := f.running(f.cached(key), sb)
+			back.Status.Conditions = []corev1.PodCondition{{Type: enrollment.RedirectedCondition, Status: corev1.ConditionTrue, Reason: cachedReason}}
+			if err := f.p.Reconcile(context.Background(), back); err != nil {
+				t.Fatal(err)
+			}
+			if !hasRules(t, sb) {
+				t.Fatal("the pod labelled back runs without rules")
+			}
+			testkit.Eventually(t, waitFor, "the condition True/Redirected again", func() bool {
+				c, ok := f.conds.of(pod.UID)
+				return ok && c.proven && c.reason == enrollment.ReasonRedirected
+			})
+		})
+	}
+}
+
+// At a removal, the gate is released for every gated pod it still holds
+// back, and only for those: a pod whose condition is True already is Ready,
+// and rewriting its reason would cost an API write per enrolled pod.
+func TestReleaseGatesAtRemovalWritesOnlyForPodsHeldBack(t *testing.T) {
+	f := newFixture(t)
+	withCondition := func(name string, status corev1.ConditionStatus, reason string) *corev1.Pod {
+		p := f.gated(f.pod("mesh", name, nil))
+		p.Status.Phase = corev1.PodRunning
+		if status != "" {
+			p.Status.Conditions = []corev1.PodCondition{{Type: enrollment.RedirectedCondition, Status: status, Reason: reason}}
+		}
+		return p
+	}
+	proven := withCondition("proven", corev1.ConditionTrue, enrollment.ReasonRedirected)
+	lost := withCondition("lost", corev1.ConditionFalse, "RulesNotRepaired")
+	fresh := withCondition("fresh", "", "")
+	ungated := f.pod("mesh", "ungated", nil)
+	f.p.ReleaseGates([]*corev1.Pod{proven, lost, fresh, ungated})
+	for _, p := range []*corev1.Pod{lost, fresh} {
+		if c, ok := f.conds.of(p.UID); !ok || !c.proven || c.reason != enrollment.ReasonNotEnrolled {
+			t.Errorf("%s: condition %+v (%v), want True/%s", p.Name, c, ok, enrollment.ReasonNotEnrolled)
+		}
+	}
+	for _, p := range []*corev1.Pod{proven, ungated} {
+		if c, ok := f.conds.of(p.UID); ok {
+			t.Errorf("%s: condition written (%+v), want none", p.Name, c)
+		}
+	}
+}

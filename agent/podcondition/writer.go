@@ -105,6 +105,11 @@ type Writer struct {
 	// wrote, or read once. Absent: not known (a write then stamps a new
 	// lastTransitionTime).
 	last map[podKey]condition
+	// unsure are the pods whose last patch failed: it may have landed all
+	// the same (a timeout after the API server applied it), so what the
+	// pod carries is read from the API server, never from a cache that
+	// may not show that write yet.
+	unsure map[podKey]bool
 }
 
 // podKey names one pod object: a StatefulSet's pod comes back under its old
@@ -143,8 +148,9 @@ func New(cfg Config) *Writer {
 		log: cfg.Logger.With("component", "podcondition"),
 		queue: workqueue.NewTypedRateLimitingQueue(
 			workqueue.NewTypedItemExponentialFailureRateLimiter[podKey](cfg.MinBackoff, cfg.MaxBackoff)),
-		want: map[podKey]condition{},
-		last: map[podKey]condition{},
+		want:   map[podKey]condition{},
+		last:   map[podKey]condition{},
+		unsure: map[podKey]bool{},
 	}
 }
 
@@ -186,6 +192,7 @@ func (w *Writer) Forget(pod types.NamespacedName, uid types.UID) {
 	w.mu.Lock()
 	delete(w.want, k)
 	delete(w.last, k)
+	delete(w.unsure, k)
 	w.mu.Unlock()
 }
 
@@ -283,7 +290,10 @@ func (w *Writer) write(ctx context.Context, k podKey) error {
 	if !known {
 		var gone bool
 		var err error
-		last, known, gone, err = w.carried(ctx, k)
+		w.mu.Lock()
+		fromAPI := w.unsure[k]
+		w.mu.Unlock()
+		last, known, gone, err = w.carried(ctx, k, fromAPI)
 		if err != nil {
 			return err
 		}
@@ -314,6 +324,12 @@ func (w *Writer) write(ctx context.Context, k podKey) error {
 		return nil
 	}
 	if err != nil {
+		// Landed or not, the pod may no longer carry last: a Set of
+		// last meanwhile (labelled out and back) must still be written.
+		w.mu.Lock()
+		delete(w.last, k)
+		w.unsure[k] = true
+		w.mu.Unlock()
 		return err
 	}
 	w.cfg.Observer.Written()
@@ -322,11 +338,11 @@ func (w *Writer) write(ctx context.Context, k podKey) error {
 }
 
 // carried is the condition the pod object carries now (known false: none),
-// from Config.Current or else the API server; gone when the pod is deleted
-// or its name belongs to another pod.
-func (w *Writer) carried(ctx context.Context, k podKey) (c condition, known, gone bool, err error) {
+// from Config.Current or else (or fromAPI) the API server; gone when the
+// pod is deleted or its name belongs to another pod.
+func (w *Writer) carried(ctx context.Context, k podKey, fromAPI bool) (c condition, known, gone bool, err error) {
 	var pod *corev1.Pod
-	if w.cfg.Current != nil {
+	if w.cfg.Current != nil && !fromAPI {
 		// A cached pod of another UID may be the cache lagging behind a
 		// replacement, either way: the patch's UID precondition decides.
 		if pod = w.cfg.Current(k.NamespacedName); pod == nil || pod.UID != k.UID {
@@ -406,6 +422,7 @@ func (w *Writer) written(k podKey, c condition) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.last[k] = c
+	delete(w.unsure, k)
 	if w.want[k] == c {
 		delete(w.want, k)
 	}
@@ -417,6 +434,7 @@ func (w *Writer) drop(k podKey) {
 	defer w.mu.Unlock()
 	delete(w.want, k)
 	delete(w.last, k)
+	delete(w.unsure, k)
 }
 
 type nopObserver struct{}

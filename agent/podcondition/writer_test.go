@@ -128,3 +128,65 @@ func TestSetWithoutUIDAndForget(t *testing.T) {
 		t.Fatalf("patches %v, pending %d, known %d: want the first only, and nothing held after Forget", got, w.Pending(), len(w.last))
 	}
 }
+
+// A patch that fails after the API server applied it (the client timed
+// out): the writer cannot tell, so it must not go on believing the pod
+// carries what it carried before. Labelled out (NotEnrolled, the patch
+// "fails" but lands) and back (Redirected, what it carried before) before
+// the retry: Redirected must still be written, even though a cache that has
+// not seen the write says the pod carries it.
+func TestWriteThatFailedButLandedIsNotTakenForUnwritten(t *testing.T) {
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "web-0", UID: "u1"},
+		Status: corev1.PodStatus{Conditions: []corev1.PodCondition{{Type: ConditionType, Status: corev1.ConditionTrue, Reason: "Redirected", Message: "m"}}}}
+	stale := pod.DeepCopy()
+	c := fake.NewClientset(pod.DeepCopy())
+	var patches []string
+	c.PrependReactor("patch", "pods", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		var body struct {
+			Status struct {
+				Conditions []corev1.PodCondition `json:"conditions"`
+			} `json:"status"`
+		}
+		if err := json.Unmarshal(a.(k8stesting.PatchAction).GetPatch(), &body); err != nil {
+			t.Fatal(err)
+		}
+		got := body.Status.Conditions[0]
+		patches = append(patches, got.Reason)
+		stored, err := c.Tracker().Get(corev1.SchemeGroupVersion.WithResource("pods"), "mesh", "web-0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := stored.(*corev1.Pod).DeepCopy()
+		p.Status.Conditions = []corev1.PodCondition{{Type: ConditionType, Status: got.Status, Reason: got.Reason, Message: got.Message}}
+		if err := c.Tracker().Update(corev1.SchemeGroupVersion.WithResource("pods"), p, "mesh"); err != nil {
+			t.Fatal(err)
+		}
+		if len(patches) == 1 {
+			return true, nil, context.DeadlineExceeded // applied, but the client gave up
+		}
+		return true, p, nil
+	})
+	w := New(Config{Client: c, Current: func(types.NamespacedName) *corev1.Pod { return stale }})
+	key := types.NamespacedName{Namespace: "mesh", Name: "web-0"}
+	ctx := context.Background()
+	w.Set(key, "u1", true, "NotEnrolled", "m")
+	if err := w.Flush(ctx); err == nil {
+		t.Fatal("the failed patch was reported written")
+	}
+	w.Set(key, "u1", true, "Redirected", "m")
+	if err := w.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	got, err := c.CoreV1().Pods("mesh").Get(ctx, "web-0", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := got.Status.Conditions[0].Reason; r != "Redirected" {
+		t.Fatalf("the pod carries %s after patches %v; want Redirected", r, patches)
+	}
+	// Written once and known again: the same Set costs nothing.
+	w.Set(key, "u1", true, "Redirected", "m")
+	if w.Pending() != 0 || len(patches) != 2 {
+		t.Fatalf("after the write: pending %d, patches %v", w.Pending(), patches)
+	}
+}
