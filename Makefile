@@ -192,17 +192,19 @@ bench: deps ## [measure] every benchmark; one report of every figure next to its
 # real etcd + kube-apiserver + kube-scheduler with simulated nodes (Node
 # objects, no kubelets), each beside the same run without inpod. Sizes:
 # INPOD_SCALE_NODES (default 1000), INPOD_SCALE_PODS (5 a node) and
-# INPOD_SCALE_ROUNDS (3, interleaved; DRA once) for scheduling, INPOD_SCALE_TAINT_NODES (5000) for the taint controller,
+# INPOD_SCALE_ROUNDS (3, interleaved; DRA once) for scheduling, then
+# INPOD_SCALE_LARGE_NODES (5000), INPOD_SCALE_LARGE_PODS (one a node) and
+# INPOD_SCALE_LARGE_ROUNDS (1, DRA included), INPOD_SCALE_TAINT_NODES (5000) for the taint controller,
 # INPOD_BENCH_ADMISSION_PODS (1500 a stream, at 100/s),
 # INPOD_BENCH_AGENT_SCALE (1: 10,000 namespaces, 100,000 pods).
 # No local node: it needs no e2e lock, but a quiet machine.
 define scale_benchmarks
-	$(K8S_ENV) INPOD_BENCH_REPORT=$(1) $(GO) test -count=1 -run '^$$' -tags integration -bench IntegrationScale -benchtime 1x -timeout 60m -v ./e2e/scale/
+	$(K8S_ENV) INPOD_BENCH_REPORT=$(1) $(GO) test -count=1 -run '^$$' -tags integration -bench IntegrationScale -benchtime 1x -timeout 100m -v ./e2e/scale/
 	$(K8S_ENV) INPOD_BENCH_REPORT=$(1) $(GO) test -count=1 -run '^$$' -tags integration -bench IntegrationAdmission -benchtime 1x -timeout 20m -v ./deploy/
 	$(K8S_ENV) INPOD_BENCH_REPORT=$(1) $(GO) test -count=1 -run '^$$' -tags integration -bench IntegrationAgentInformersAtScale -benchtime 1x -timeout 40m -v ./agent/
 endef
 SCALE_FIGURES := $(BIN)/bench-scale-figures.jsonl
-bench-scale: deps ## [measure] past one node: each gate's cost to the scheduler, admission, the taint controller and the agent at 1,000-5,000 simulated nodes; prints the table and puts it in docs/benchmarks.md (~25 min)
+bench-scale: deps ## [measure] past one node: each gate's cost to the scheduler, admission, the taint controller and the agent at 1,000-5,000 simulated nodes; prints the table and puts it in docs/benchmarks.md (~45 min)
 	@mkdir -p $(BIN) && : > $(SCALE_FIGURES)
 	$(call scale_benchmarks,$(SCALE_FIGURES))
 	$(GO) run ./internal/benchreport/cmd/benchreport -in $(SCALE_FIGURES) -update $(CURDIR)/docs/benchmarks.md -by 'make bench-scale'

@@ -40,9 +40,20 @@ import (
 // Without inpod the flip is a cordon and an uncordon.
 func BenchmarkIntegrationScaleScheduling(b *testing.B) {
 	nodes := sizeFromEnv(b, "INPOD_SCALE_NODES", 1000)
-	pods := sizeFromEnv(b, "INPOD_SCALE_PODS", 5*nodes)
+	benchScheduling(b, nodes, sizeFromEnv(b, "INPOD_SCALE_PODS", 5*nodes), sizeFromEnv(b, "INPOD_SCALE_ROUNDS", 3))
+}
+
+// BenchmarkIntegrationScaleSchedulingLarge is the same at
+// INPOD_SCALE_LARGE_NODES (default 5,000), the larger size, with as
+// many pods (INPOD_SCALE_LARGE_PODS, one a node) in INPOD_SCALE_LARGE_ROUNDS
+// (default 1, DRA included: ~15 min on two cores).
+func BenchmarkIntegrationScaleSchedulingLarge(b *testing.B) {
+	nodes := sizeFromEnv(b, "INPOD_SCALE_LARGE_NODES", 5000)
+	benchScheduling(b, nodes, sizeFromEnv(b, "INPOD_SCALE_LARGE_PODS", nodes), sizeFromEnv(b, "INPOD_SCALE_LARGE_ROUNDS", 1))
+}
+
+func benchScheduling(b *testing.B, nodes, pods, rounds int) {
 	flips := max(1, nodes/10)
-	rounds := sizeFromEnv(b, "INPOD_SCALE_ROUNDS", 3)
 	bin := controllerBinary(b)
 	runs := map[string][]*schedResult{}
 	for round := 1; round <= rounds; round++ {

@@ -5,6 +5,7 @@ package scale
 import (
 	"context"
 	"fmt"
+	"os"
 	"sync"
 	"testing"
 	"time"
@@ -145,6 +146,9 @@ func BenchmarkIntegrationScaleTaintController(b *testing.B) {
 
 	sec := benchreport.ScaleTaintSection
 	what := fmt.Sprintf("taint controller, %d nodes", n)
+	if qps := os.Getenv("INPOD_SCALE_CONTROLLER_QPS"); qps != "" {
+		what += ", --kube-api-qps " + qps
+	}
 	floorName := "the same condition writes seen by a watch (one write→watch trip)"
 	benchreport.Record(b, benchreport.Figure{Section: sec, Name: what + ": every condition True at once → taint removed, p50",
 		Value: benchreport.Ms(benchreport.Percentile(untaint, 50)), Unit: "ms", FloorName: floorName + ", p50", Floor: benchreport.Ms(benchreport.Percentile(floor, 50)), Target: "measured"})

@@ -442,15 +442,20 @@ func controllerBinary(b *testing.B) string {
 
 // startController runs the real inpod-controller in continuous mode
 // against the world's control plane, with the production leader-election
-// timings.
+// timings and client limits; INPOD_SCALE_CONTROLLER_QPS sets its
+// --kube-api-qps (the chart's controller.kubeAPI.qps) instead.
 func (w *world) startController(b *testing.B, bin, identity string) *cluster.Component {
 	b.Helper()
 	kubeconfig := w.cp.Kubeconfig
-	c, err := w.cp.StartComponent("inpod-controller-"+identity, bin, []string{
+	args := []string{
 		"--kubeconfig", kubeconfig, "--mode", "continuous", "--identity", identity,
 		"--lease-namespace", agentNS, "--agent-namespace", agentNS,
 		"--health-addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--log-level", "warn",
-	}, nil)
+	}
+	if os.Getenv("INPOD_SCALE_CONTROLLER_QPS") != "" {
+		args = append(args, "--kube-api-qps", strconv.Itoa(sizeFromEnv(b, "INPOD_SCALE_CONTROLLER_QPS", 0)))
+	}
+	c, err := w.cp.StartComponent("inpod-controller-"+identity, bin, args, nil)
 	if err != nil {
 		b.Fatal(err)
 	}
