@@ -14,7 +14,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
 	"net"
 	"os"
 	"path/filepath"
@@ -51,6 +50,7 @@ import (
 	"github.com/inpod-dev/inpod/deviceplugin"
 	"github.com/inpod-dev/inpod/dra"
 	"github.com/inpod-dev/inpod/enrollment"
+	"github.com/inpod-dev/inpod/internal/clientlimit"
 	"github.com/inpod-dev/inpod/internal/unixsock"
 	"github.com/inpod-dev/inpod/netns"
 	"github.com/inpod-dev/inpod/nodecondition"
@@ -134,6 +134,11 @@ type Config struct {
 	// from a restart (see uninstallWatch). Empty PodName: never remove
 	// anything. The namespace also holds PluginServiceAccount.
 	PodName, PodNamespace string
+	// PodUID is the agent's pod's UID (downward API): with the dra gate,
+	// the two agents of a hand-over name their kubelet plugin sockets by
+	// it, so both serve the driver for the moments of the switch. Without
+	// it the dra gate hands no node over.
+	PodUID string
 	// AgentSelector selects inpod agent pods of any installation (default
 	// DefaultAgentSelector); one on this node other than the agent's own
 	// keeps an uninstall from touching the node.
@@ -257,20 +262,14 @@ func New(cfg Config) (*Agent, error) {
 	if cfg.PluginServiceAccount == "" {
 		cfg.PluginServiceAccount = DefaultPluginServiceAccount
 	}
-	if !(cfg.KubeAPIQPS >= 0) || cfg.KubeAPIBurst < 0 { // NaN too
-		return nil, fmt.Errorf("agent: --kube-api-qps %v or --kube-api-burst %d is not a usable rate limit", cfg.KubeAPIQPS, cfg.KubeAPIBurst)
-	}
 	if cfg.KubeAPIQPS == 0 {
 		cfg.KubeAPIQPS = DefaultKubeAPIQPS
 	}
-	if cfg.KubeAPIBurst == 0 {
-		// Unset: never below the rate, so a higher --kube-api-qps alone
-		// works.
-		cfg.KubeAPIBurst = max(DefaultKubeAPIBurst, int(math.Ceil(float64(cfg.KubeAPIQPS))))
+	qps, burst, err := clientlimit.Resolve(float64(cfg.KubeAPIQPS), cfg.KubeAPIBurst, DefaultKubeAPIBurst)
+	if err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
 	}
-	if float32(cfg.KubeAPIBurst) < cfg.KubeAPIQPS {
-		return nil, fmt.Errorf("agent: --kube-api-burst %d is below --kube-api-qps %v: client-go would never reach the rate", cfg.KubeAPIBurst, cfg.KubeAPIQPS)
-	}
+	cfg.KubeAPIQPS, cfg.KubeAPIBurst = qps, burst
 	log := cfg.Logger
 	if log == nil {
 		log = slog.Default()
@@ -279,11 +278,15 @@ func New(cfg Config) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
-	if cfg.HandoverSocket != "" && slices.Contains(gates, "dra") {
-		// Both agents' DRA plugins would register the same driver on the
-		// same sockets.
-		log.Warn("no hand-over between agents with the dra gate: the agent binds its sockets and waits for the one serving them to exit", "handoverSocket", cfg.HandoverSocket)
-		cfg.HandoverSocket = ""
+	if slices.Contains(gates, "dra") {
+		if cfg.PodUID != "" {
+			cfg.DRA.RollingUpdateUID = types.UID(cfg.PodUID)
+		} else if cfg.HandoverSocket != "" {
+			// Both agents' DRA plugins would register the same driver
+			// on the same sockets.
+			log.Warn("no hand-over between agents with the dra gate without --pod-uid: the agent binds its sockets and waits for the one serving them to exit", "handoverSocket", cfg.HandoverSocket)
+			cfg.HandoverSocket = ""
+		}
 	}
 	a := &Agent{cfg: cfg, log: log, Metrics: observe.NewMetrics(), started: time.Now(),
 		Ready: readiness.New(log, readiness.CNIInstalled, readiness.ZtunnelConnected, readiness.PodsSynced)}
@@ -778,18 +781,18 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(s
 		return nil
 	})
 
-	var lingering []*deviceplugin.Plugin
+	var lingering []handingOverGate
 	for _, gate := range a.gates {
-		dp, isDevicePlugin := gate.(*deviceplugin.Plugin)
-		if !isDevicePlugin || cfg.HandoverSocket == "" {
+		h, handsOver := gate.(handingOverGate)
+		if !handsOver || cfg.HandoverSocket == "" {
 			run("gate "+gate.Name(), func(ctx context.Context) error { return gate.Run(ctx, a.Ready) })
 			continue
 		}
 		if a.tookOver {
-			dp.TakeOver(handoverRegisterWait)
+			h.TakeOver(handoverRegisterWait)
 		}
 		// Registered until the successor's plugin is (see handover.go).
-		lingering = append(lingering, dp)
+		lingering = append(lingering, h)
 		runToEnd("gate "+gate.Name(), func(ctx context.Context) error { return gate.Run(ctx, a.Ready) })
 	}
 	if cfg.ReleaseStartupMemory {
@@ -803,8 +806,8 @@ func (a *Agent) startPieces(ctx context.Context, p *pieces, run, runToEnd func(s
 	if cfg.HandoverSocket != "" {
 		runToEnd("hand-over", func(ctx context.Context) error {
 			return a.serveHandover(ctx, p, handoverLn, rank, func() {
-				for _, dp := range lingering {
-					dp.Retire(handoverLinger)
+				for _, h := range lingering {
+					h.Retire(handoverLinger)
 				}
 				retire()
 			})

@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -27,9 +28,19 @@ import (
 // ztunnel's reconnection wait in the sockets' backlogs for the moments of
 // the switch instead of being refused. The agent handing over stops acting
 // on the node before the successor starts (the exchange's "retired"), so
-// the two never act at once; only its device plugin stays registered,
-// unchanged, until the successor's is (handoverLinger), because the kubelet
-// turns the resource Unhealthy when its last plugin leaves.
+// the two never act at once; only its kubelet plugin (device plugin or
+// DRA) stays registered, unchanged, until the successor's is
+// (handoverLinger), because the kubelet turns the resource Unhealthy (or
+// refuses the claims) when the driver's last plugin leaves.
+
+// handingOverGate is a gate whose kubelet plugin serves across a
+// hand-over: the successor's registers once the node is ready under it
+// (TakeOver), the retired agent's serves until then (Retire).
+type handingOverGate interface {
+	Gate
+	TakeOver(wait time.Duration)
+	Retire(linger time.Duration)
+}
 
 const (
 	// handoverRetry paces a successor's attempts while the running agent
@@ -292,18 +303,45 @@ func (a *Agent) adopt(p *pieces, files map[string]*os.File) (_ *net.UnixListener
 	return listeners[handover.HandoverSocket], nil
 }
 
-// handoverRank is this agent's rank: its pod's creation time, so the agent
-// of the newest pod serves and a restarted container of an older pod never
-// takes the node back; without a pod, the process's start.
+// handoverRank is this agent's rank (handoverRankOf its own pod), so the
+// agent of the newest pod serves and a restarted container of an older pod
+// never takes the node back; without its pod, the process's start.
 func (a *Agent) handoverRank(p *pieces) int64 {
 	if a.cfg.PodName != "" {
 		pod, err := p.pods.pods.Pods(a.cfg.PodNamespace).Get(a.cfg.PodName)
-		if err == nil && !pod.CreationTimestamp.IsZero() {
-			return pod.CreationTimestamp.UnixNano()
+		if err == nil {
+			if rank, ok := handoverRankOf(pod); ok {
+				return rank
+			}
 		}
 		a.log.Warn("the agent's own pod and its creation time are not in the watch; ranking the hand-over by the process's start", "pod", a.cfg.PodNamespace+"/"+a.cfg.PodName)
 	}
 	return a.started.UnixNano()
+}
+
+// templateGenerationLabel is the DaemonSet controller's label on each pod:
+// the generation of the DaemonSet's template the pod was made from, which
+// grows with every change of the template (a rollback included).
+const templateGenerationLabel = "pod-template-generation"
+
+// handoverRankOf ranks an agent pod: its creation time in nanoseconds. The
+// API keeps that to the second, so two agent pods created within one second
+// (an upgrade right after the install, or two in a row) would rank equal,
+// refuse each other, and stall the rollout with the old agent serving on.
+// The sub-second part breaks that tie with the DaemonSet template's
+// generation: the pod of the newer template serves. It stays one integer
+// on the wire, so agents from before the tie-break still order by the
+// second as they did. A pod without the label (not from a DaemonSet, or a
+// controller that dropped the deprecated label) ranks as before.
+func handoverRankOf(pod *corev1.Pod) (int64, bool) {
+	if pod.CreationTimestamp.IsZero() {
+		return 0, false
+	}
+	rank := pod.CreationTimestamp.Unix() * int64(time.Second)
+	if g, err := strconv.ParseInt(pod.Labels[templateGenerationLabel], 10, 64); err == nil && g > 0 {
+		rank += min(g, int64(time.Second)-1)
+	}
+	return rank, true
 }
 
 // serveHandover serves the hand-over socket (ln when taken over, else

@@ -3,16 +3,20 @@
 package agent_test
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/inpod-dev/inpod/internal/testkit"
 	"github.com/inpod-dev/inpod/netns/netnstest"
@@ -230,4 +234,48 @@ func TestIntegrationHandOverFailuresLeaveOneAgentServing(t *testing.T) {
 	if _, err := w.cniAdd(late, lateNS); err != nil {
 		t.Fatalf("an ADD after two agents started at once: %v", err)
 	}
+}
+
+// Two agent pods of one node created within one second (an upgrade right
+// after the install, or two in a row): the API keeps creation times to the
+// second, so without a tie-break the two would rank equal, refuse each
+// other, and the rollout would stall. The pod of the newer DaemonSet
+// template (its pod-template-generation label) takes the node over.
+func TestIntegrationHandOverTieWithinASecondGoesToTheNewerTemplate(t *testing.T) {
+	w := newWorld(t)
+	w.applyRBAC()
+	bin := buildAgent(t)
+	ds, _ := w.agentDaemonSet("inpod-agent")
+	var older, newer *corev1.Pod
+	testkit.Eventually(t, 20*time.Second, "two agent pods created within one second", func() bool {
+		older, newer = w.agentPodOfGeneration(ds, 1), w.agentPodOfGeneration(ds, 2)
+		if older.CreationTimestamp.Equal(&newer.CreationTimestamp) {
+			return true
+		}
+		for _, p := range []*corev1.Pod{older, newer} {
+			if err := w.client.CoreV1().Pods(p.Namespace).Delete(context.Background(), p.Name, metav1.DeleteOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return false
+	})
+	w.agentArgs = []string{"--pod-name", older.Name, "--pod-namespace", older.Namespace}
+	first := w.startAgentProcess(bin)
+	w.agentArgs = []string{"--pod-name", newer.Name, "--pod-namespace", newer.Namespace}
+	second := w.startAgentProcess(bin)
+	if n := second.metric(t, `inpod_agent_handovers_total{role="taken"}`); n != 1 {
+		t.Fatalf("the newer template's agent took the node over %v times, want 1", n)
+	}
+	w.eventually("the older agent's ports closed", func() bool { return portClosed(first.health) && portClosed(first.metrics) })
+	pod, sandbox := w.pod("mesh", "after-tie")
+	if _, err := w.cniAdd(pod, sandbox); err != nil {
+		t.Fatalf("an ADD after the hand-over: %v", err)
+	}
+}
+
+// agentPodOfGeneration is an agent pod of ds on this node as the DaemonSet
+// controller makes it from the template of that generation.
+func (w *world) agentPodOfGeneration(ds *appsv1.DaemonSet, generation int) *corev1.Pod {
+	w.t.Helper()
+	return w.agentPodLabelled(ds, nodeName, withLabel(ds.Spec.Template.Labels, "pod-template-generation", strconv.Itoa(generation)))
 }

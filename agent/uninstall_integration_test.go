@@ -67,9 +67,15 @@ func (w *world) agentDaemonSet(name string) (*appsv1.DaemonSet, *corev1.Pod) {
 // agentPod is the pod of ds on node, as its controller creates it.
 func (w *world) agentPod(ds *appsv1.DaemonSet, node string) *corev1.Pod {
 	w.t.Helper()
+	return w.agentPodLabelled(ds, node, ds.Spec.Template.Labels)
+}
+
+// agentPodLabelled is agentPod with the labels the controller gave it.
+func (w *world) agentPodLabelled(ds *appsv1.DaemonSet, node string, labels map[string]string) *corev1.Pod {
+	w.t.Helper()
 	yes := true
 	pod, err := w.client.CoreV1().Pods(agentNS).Create(context.Background(), &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{GenerateName: ds.Name + "-", Labels: ds.Spec.Template.Labels,
+		ObjectMeta: metav1.ObjectMeta{GenerateName: ds.Name + "-", Labels: labels,
 			OwnerReferences: []metav1.OwnerReference{{APIVersion: "apps/v1", Kind: "DaemonSet", Name: ds.Name, UID: ds.UID, Controller: &yes}}},
 		Spec: corev1.PodSpec{NodeName: node, HostNetwork: true, ServiceAccountName: "inpod-agent",
 			Containers: []corev1.Container{{Name: "agent", Image: "inpod-agent"}}},

@@ -1,8 +1,9 @@
 // Package dra is the scheduling gate for clusters with Dynamic Resource
 // Allocation (resource.k8s.io/v1): a kubelet DRA plugin, driver
 // redirection.inpod.dev, built on the maintained helper
-// k8s.io/dynamic-resource-allocation/kubeletplugin (registration, the gRPC
-// services and ResourceSlice publishing are the helper's).
+// k8s.io/dynamic-resource-allocation/kubeletplugin (registration and the
+// gRPC services are the helper's; the ResourceSlice is written by the same
+// library's slice controller, run beside it so its lifetime is the gate's).
 //
 // The node's pool is one ResourceSlice with one device, "redirection",
 // that every pod on the node shares (allowMultipleAllocations). A
@@ -26,7 +27,7 @@
 //     agent regardless.
 //   - Pods that do not request the resource never meet this gate.
 //   - The slice is only written when what it says changes: an agent restart
-//     while ready rewrites nothing (the helper compares the desired slice
+//     while ready rewrites nothing (the controller compares the desired slice
 //     with the stored one), and the first verdict after a restart is awaited
 //     for StartupGrace so the restart's own not-yet-ready moments do not
 //     flap the taint. The kubelet withdraws the slices of a driver whose
@@ -35,21 +36,35 @@
 //     reboot), so pods wait for the agent instead of failing admission, and
 //     the gate publishes again as soon as it sees the deletion.
 //   - Uninstall (the agent's removal decision) deletes the node's slices
-//     after the helper has stopped, so nothing writes them again.
+//     after the gate has stopped, so nothing writes them again.
+//   - An agent rollout hands the node over (kubeletplugin.RollingUpdate):
+//     the two agents' plugins register on sockets named by their pods' UIDs
+//     and the kubelet uses the newest connected one. The successor
+//     registers once the node is ready under it (TakeOver), so the kubelet
+//     never asks a plugin that would refuse; the retired agent stops
+//     writing the slice at once (one writer: it cannot undo the
+//     successor's taint) and answers the kubelet until the successor's
+//     plugin is registered (Retire). Prepare and unprepare read the record
+//     of prepared claims from the shared file on every call, under the
+//     helper's file lock: either instance may be asked either.
 package dra
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
 	"sort"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -65,8 +80,11 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/inpod-dev/inpod/internal/atomicfile"
 	"github.com/inpod-dev/inpod/internal/latest"
+	"github.com/inpod-dev/inpod/internal/unixsock"
 	"github.com/inpod-dev/inpod/readiness"
 )
 
@@ -143,6 +161,11 @@ type Config struct {
 	// plugin's own directory (socket, checkpoint). Both must be the same
 	// paths inside and outside the agent's container.
 	RegistrarDir, PluginDir string
+	// RollingUpdateUID, the agent pod's UID, lets two agents of the node
+	// serve the driver side by side during a hand-over (TakeOver, Retire):
+	// their sockets are named by it. Empty: one socket name, so the agent
+	// before must have exited.
+	RollingUpdateUID types.UID
 	// StartupGrace: how long a restarted agent waits for its first ready
 	// verdict before it taints a slice that a previous agent left
 	// untainted (readiness.StartupHold); 0 means
@@ -169,10 +192,24 @@ type Driver struct {
 
 	// fatal carries an error the helper reports that must stop the gate.
 	fatal chan error
-	// retry is signalled when the helper failed a write.
+	// retry is signalled when a slice write failed.
 	retry chan struct{}
 	// wiped is signalled when the node's slice was deleted.
 	wiped chan struct{}
+
+	// sliceWriter writes the node's ResourceSlice; apart from the helper so a
+	// retired agent stops writing while it still answers the kubelet.
+	sliceWriter *resourceslice.Controller
+	// registerWait: see TakeOver. retired is closed by Retire; lingerFor
+	// is its bound.
+	registerWait time.Duration
+	retireOnce   sync.Once
+	retired      chan struct{}
+	// Under mu: what the retirement found (see linger).
+	lingerFor       time.Duration
+	markerAtRetire  string
+	socketsAtRetire []string
+	markOnce        sync.Once
 
 	// For the latency metric: the wanted taints and since when.
 	wantMu    sync.Mutex
@@ -211,7 +248,7 @@ func New(cfg Config) (*Driver, error) {
 		log = slog.Default()
 	}
 	return &Driver{cfg: cfg, log: log.With("component", "dra", "driver", cfg.DriverName, "node", cfg.NodeName),
-		fatal: make(chan error, 1), retry: make(chan struct{}, 1), wiped: make(chan struct{}, 1),
+		fatal: make(chan error, 1), retry: make(chan struct{}, 1), wiped: make(chan struct{}, 1), retired: make(chan struct{}),
 		health: latest.New(deviceHealth{status: kubeletplugin.HealthStatusUnknown, message: "the agent has no readiness verdict yet"})}, nil
 }
 
@@ -219,16 +256,74 @@ func New(cfg Config) (*Driver, error) {
 func (d *Driver) Name() string { return "dra" }
 
 // PluginSocket is the DRA gRPC socket the kubelet dials.
-func (d *Driver) PluginSocket() string { return filepath.Join(d.cfg.PluginDir, "dra.sock") }
+func (d *Driver) PluginSocket() string { return filepath.Join(d.cfg.PluginDir, d.pluginSocketName()) }
+
+// pluginSocketName is the helper's "dra.sock", or with rolling updates one
+// per pod: named by a hash of its UID, not the UID itself (the helper's
+// choice), which leaves a plugin dir of ~60 bytes within the 108 of a
+// unix socket path.
+func (d *Driver) pluginSocketName() string {
+	if d.cfg.RollingUpdateUID == "" {
+		return "dra.sock"
+	}
+	sum := sha256.Sum256([]byte(d.cfg.RollingUpdateUID))
+	return "dra-" + base64.RawURLEncoding.EncodeToString(sum[:9]) + ".sock"
+}
 
 // RegistrationSocket is the socket the kubelet's plugin watcher finds.
 func (d *Driver) RegistrationSocket() string {
+	if d.cfg.RollingUpdateUID != "" {
+		return filepath.Join(d.cfg.RegistrarDir, kubeletplugin.RollingUpdateRegistrarSocketFile(d.cfg.RegistrarDir, d.cfg.DriverName, d.cfg.RollingUpdateUID))
+	}
 	return filepath.Join(d.cfg.RegistrarDir, d.cfg.DriverName+"-reg.sock")
 }
 
+// MaxRegisterWait bounds TakeOver's wait.
+const MaxRegisterWait = time.Minute
+
+// TakeOver is called before Run when the agent took the node over from a
+// running agent whose plugin still serves the driver (RollingUpdateUID
+// set): the kubelet asks the newest plugin, so this one registers only once
+// the node is ready here, or after wait (at most MaxRegisterWait).
+// Registering earlier would refuse the claims of pods bound meanwhile, and
+// each refusal costs such a pod the kubelet's sync back-off.
+func (d *Driver) TakeOver(wait time.Duration) { d.registerWait = min(wait, MaxRegisterWait) }
+
+// Retire tells a running gate that its agent handed the node over: it
+// stops writing the node's slice at once (the successor's gate owns it),
+// no longer follows readiness or refreshes the device's health, and
+// answers the kubelet as it last did until the kubelet uses the
+// successor's plugin (see linger) or for at most linger; then Run returns. The
+// slice stays: the kubelet wipes a driver's slices only once no plugin of
+// it is left.
+func (d *Driver) Retire(linger time.Duration) {
+	d.retireOnce.Do(func() {
+		marker, sockets := d.readMarker(), d.registrationSockets()
+		d.mu.Lock()
+		d.lingerFor, d.markerAtRetire, d.socketsAtRetire = linger, marker, sockets
+		d.mu.Unlock()
+		close(d.retired)
+	})
+}
+
+func (d *Driver) isRetired() bool {
+	select {
+	case <-d.retired:
+		return true
+	default:
+		return false
+	}
+}
+
+// siblingGrace is how long a retired gate serves on after the successor's
+// registration socket serves, when the kubelet's use of it is not seen: its
+// plugin watcher registers a new socket within a second or two.
+var siblingGrace = 5 * time.Second
+
 // Run registers with the kubelet, serves it and publishes the node's pool,
-// following ready, until ctx ends. It stops the helper before returning,
-// so nothing writes the slice afterwards. A Driver runs once.
+// following ready, until ctx ends or a retirement's linger. It stops the
+// helper and the slice writes before returning, so nothing writes the
+// slice afterwards. A Driver runs once.
 func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 	for _, dir := range []string{d.cfg.RegistrarDir, d.cfg.PluginDir} {
 		if err := os.MkdirAll(dir, 0o750); err != nil {
@@ -253,8 +348,43 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		existing = 1
 	}
 	watchDone := d.watchSlices(ctx)
+	defer func() { <-watchDone }()
+	defer stop()
 
-	helper, err := kubeletplugin.Start(ctx, d,
+	var (
+		last readiness.State
+		// known: last holds a state from the aggregate (it sends one at
+		// once), so a wipe or a retry never publishes a made-up one.
+		known bool
+	)
+	if d.registerWait > 0 {
+		var retired bool
+		if last, known, retired = d.awaitReady(ctx, states); retired || ctx.Err() != nil {
+			return nil
+		}
+	}
+	if d.isRetired() {
+		return nil // handed over before it ever registered
+	}
+	// Two gates starting at once (a reboot during a hand-over) must not
+	// take each other's fresh socket for a stale one.
+	unlock, err := d.lockStart(ctx)
+	if err != nil {
+		return err
+	}
+	if ctx.Err() != nil {
+		if unlock != nil {
+			unlock()
+		}
+		return nil
+	}
+	if unlock != nil {
+		d.removeStaleSockets()
+	} else {
+		d.log.Warn("another gate holds the start lock; starting without removing stale sockets", "waited", startLockWait)
+		unlock = func() {}
+	}
+	opts := []kubeletplugin.Option{
 		kubeletplugin.DriverName(d.cfg.DriverName),
 		kubeletplugin.KubeClient(d.cfg.Client),
 		kubeletplugin.NodeName(d.cfg.NodeName),
@@ -263,14 +393,19 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		// The kubelet's DRAResourceHealth stream: the device's health is
 		// the node's readiness (WatchHealthStatus).
 		kubeletplugin.HealthService(true),
-	)
+	}
+	if d.cfg.RollingUpdateUID != "" {
+		opts = append(opts, kubeletplugin.RollingUpdate(d.cfg.RollingUpdateUID), kubeletplugin.PluginSocket(d.pluginSocketName()))
+	}
+	// The helper stops when Run returns (helper.Stop), not with ctx: a
+	// retired gate may serve on for a moment after it (linger).
+	helper, err := kubeletplugin.Start(context.WithoutCancel(ctx), d, opts...)
+	unlock()
 	if err != nil {
 		return fmt.Errorf("dra: start the kubelet plugin: %w", err)
 	}
-	defer func() {
-		helper.Stop()
-		<-watchDone
-	}()
+	defer helper.Stop()
+	defer d.stopSlices()
 	d.log.Info("DRA kubelet plugin serving", "socket", d.PluginSocket(), "registration", d.RegistrationSocket())
 
 	// Publish nothing until the first verdict of this agent: a slice a
@@ -280,18 +415,23 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 	var (
 		retryC, wipeC <-chan time.Time
 		wipeChecks    int
-		last          readiness.State
-		// known: last holds a state from the aggregate (it sends one at
-		// once), so a wipe or a retry never publishes a made-up one.
-		known bool
 	)
+	if known && !d.isRetired() && hold.Observe(last) {
+		if err := d.publish(ctx, last); err != nil {
+			return err
+		}
+	}
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
 		case err := <-d.fatal:
 			return err
+		case <-d.retired:
 		case st := <-states:
+			if d.isRetired() {
+				break
+			}
 			last, known = st, true
 			d.setReady(st)
 			if !hold.Observe(st) {
@@ -303,10 +443,10 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 			}
 			d.log.Warn("no ready verdict within the startup grace; publishing the not-ready state", "grace", d.cfg.StartupGrace, "failing", last.Failing)
 		case <-d.wiped:
-			// The helper would look again only after its 30 s sync
-			// delay; handing it the pool makes it sync now, and again
-			// until the slice is back: the helper's own watch may see
-			// the deletion after ours, and a sync before that is a no-op.
+			// The slice controller would look again only after its 30 s
+			// sync delay; handing it the pool makes it sync now, and
+			// again until the slice is back: its own watch may see the
+			// deletion after ours, and a sync before that is a no-op.
 			if hold.Holding() || !known {
 				continue
 			}
@@ -320,7 +460,7 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 			}
 			wipeC = time.After(wipeRecheck)
 		case <-d.retry:
-			// A failed write: the helper retries with a backoff that
+			// A failed write: the controller retries with a backoff that
 			// grows to minutes; handing it the pool again makes it sync
 			// at once, so the slice converges soon after an API outage.
 			if retryC == nil && !hold.Holding() && known {
@@ -330,16 +470,251 @@ func (d *Driver) Run(ctx context.Context, ready *readiness.Aggregate) error {
 		case <-retryC:
 			retryC = nil
 		}
-		if err := d.publish(ctx, helper, last); err != nil {
+		if d.isRetired() {
+			// Checked after every wake-up, not as one case among the
+			// others: a retired gate neither follows readiness nor writes.
+			d.stopSlices()
+			return d.linger(ctx)
+		}
+		if err := d.publish(ctx, last); err != nil {
 			return err
 		}
 	}
 }
 
+// awaitReady follows readiness without registering, until the node is
+// ready here, registerWait passes, ctx ends or the gate is retired.
+func (d *Driver) awaitReady(ctx context.Context, states <-chan readiness.State) (last readiness.State, known, retired bool) {
+	d.log.Info("took the node over: registering once the node is ready here", "atMost", d.registerWait)
+	deadline := time.NewTimer(d.registerWait)
+	defer deadline.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return last, known, false
+		case <-d.retired:
+			return last, known, true
+		case <-deadline.C:
+			d.log.Warn("the node is not ready here within the wait; registering anyway", "wait", d.registerWait, "failing", last.Failing)
+			return last, known, false
+		case st := <-states:
+			last, known = st, true
+			d.setReady(st)
+			if st.Ready {
+				return last, known, false
+			}
+		}
+	}
+}
+
+// linger answers the kubelet on, as the gate last did, until the
+// successor's plugin is registered, lingerFor passes, ctx ends or the
+// helper fails. The kubelet asking the successor's plugin anything (the
+// health stream, a claim) is the proof it registered it (the marker
+// file); without that (the health stream off), a registration socket that
+// appeared since the retirement and serves for siblingGrace. After the
+// proof it serves handOverSettle more: calls the kubelet sent it just
+// before finish, and a registration the kubelet undoes (its status notify
+// failed) is retried before this plugin is gone.
+func (d *Driver) linger(ctx context.Context) error {
+	d.mu.Lock()
+	limit, markerBefore, socketsBefore := d.lingerFor, d.markerAtRetire, d.socketsAtRetire
+	d.mu.Unlock()
+	d.log.Info("retired: no longer writing the node's slice; serving until the successor's plugin is registered", "atMost", limit)
+	deadline := time.NewTimer(limit)
+	defer deadline.Stop()
+	poll := time.NewTicker(lingerPoll)
+	defer poll.Stop()
+	var servingSince, usedSince time.Time
+	used := func() bool {
+		m := d.readMarker()
+		return m != "" && m != markerBefore && m != filepath.Base(d.RegistrationSocket())
+	}
+	stopped := ctx.Done()
+	var stopBound <-chan time.Time
+	for {
+		switch {
+		case !usedSince.IsZero():
+			if time.Since(usedSince) >= handOverSettle {
+				return nil
+			}
+		case used():
+			usedSince = time.Now()
+			d.log.Info("the kubelet uses the successor's plugin; deregistering", "registration", d.readMarker(), "in", handOverSettle)
+		default:
+			if sock := d.servingSibling(socketsBefore); sock == "" {
+				servingSince = time.Time{}
+			} else if servingSince.IsZero() {
+				servingSince = time.Now()
+				d.log.Info("the successor's plugin serves; deregistering once the kubelet uses it", "registration", sock, "orAfter", siblingGrace)
+			} else if time.Since(servingSince) >= siblingGrace {
+				return nil
+			}
+		}
+		select {
+		case <-stopped:
+			// Stopped: the DaemonSet deletes this pod once the
+			// successor's is ready, while the kubelet registers its
+			// plugin. A moment more, within the agent's bound for its
+			// pieces to stop.
+			stopped, stopBound = nil, time.After(lingerAfterStop)
+		case <-stopBound:
+			return nil
+		case err := <-d.fatal:
+			return err
+		case <-deadline.C:
+			d.log.Warn("no successor's plugin registered within the linger; deregistering (pods wait for it)", "linger", limit)
+			return nil
+		case <-poll.C:
+		}
+	}
+}
+
+// handOverSettle is how long a retired gate serves on once the kubelet
+// uses the successor's plugin.
+const handOverSettle = 2 * time.Second
+
+// lingerAfterStop bounds how long a retired gate serves on after its stop:
+// under the agent's 5 s bound for its pieces to stop.
+const lingerAfterStop = 3 * time.Second
+
+// markerFile, in the plugin dir, names the registration socket of the
+// plugin the kubelet last started to use (see linger).
+const markerFile = "kubelet-uses"
+
+func (d *Driver) readMarker() string {
+	b, err := os.ReadFile(filepath.Join(d.cfg.PluginDir, markerFile))
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// kubeletUses records, once, that the kubelet asked this plugin
+// something: it registered it.
+func (d *Driver) kubeletUses() {
+	if d.cfg.RollingUpdateUID == "" || d.isRetired() {
+		return
+	}
+	d.markOnce.Do(func() {
+		if err := atomicfile.Write(filepath.Join(d.cfg.PluginDir, markerFile), []byte(filepath.Base(d.RegistrationSocket())+"\n"), 0o600); err != nil {
+			// The retired plugin then waits siblingGrace instead.
+			d.log.Warn("could not record that the kubelet uses this plugin", "err", err)
+		}
+	})
+}
+
+// lingerPoll is how often a retired gate looks for the successor's socket.
+const lingerPoll = 100 * time.Millisecond
+
+// registrationSockets lists this driver's registration sockets in the
+// registrar dir but this gate's own (the helper's names: <driver>-reg.sock,
+// or <driver>-<pod UID or its hash>-reg.sock with rolling updates).
+func (d *Driver) registrationSockets() []string {
+	entries, err := os.ReadDir(d.cfg.RegistrarDir)
+	if err != nil {
+		return nil
+	}
+	own := filepath.Base(d.RegistrationSocket())
+	var out []string
+	for _, e := range entries {
+		name := e.Name()
+		if name != own && strings.HasPrefix(name, d.cfg.DriverName+"-") && strings.HasSuffix(name, "-reg.sock") {
+			out = append(out, filepath.Join(d.cfg.RegistrarDir, name))
+		}
+	}
+	return out
+}
+
+// servingSibling is another plugin's registration socket of this driver,
+// none of before, that accepts connections, or "". (A socket there at the
+// retirement is an agent before this one, lingering too.)
+func (d *Driver) servingSibling(before []string) string {
+	for _, sock := range d.registrationSockets() {
+		if !slices.Contains(before, sock) && unixsock.Serving("unix", sock) {
+			return sock
+		}
+	}
+	return ""
+}
+
+// removeStaleSockets removes the sockets of this driver's plugins that
+// nobody serves any more (an agent killed without its clean stop): the
+// helper cannot, and the kubelet would keep a plugin on them. A socket
+// that answers, or whose state is unsure, stays.
+func (d *Driver) removeStaleSockets() {
+	stale := d.registrationSockets()
+	if plugin, err := filepath.Glob(filepath.Join(d.cfg.PluginDir, "dra*.sock")); err == nil {
+		stale = append(stale, plugin...)
+	}
+	for _, sock := range stale {
+		if sock == d.PluginSocket() || !socketRefused(sock) {
+			continue
+		}
+		if err := os.Remove(sock); err == nil {
+			d.log.Info("removed a socket no plugin serves (an agent before that did not stop cleanly)", "socket", sock)
+		}
+	}
+}
+
+// socketRefused tells whether nobody listens on path: a socket file whose
+// connection is refused. Stricter than "not unixsock.Serving": a full
+// backlog (EAGAIN) is a plugin that serves.
+func socketRefused(path string) bool {
+	c, err := net.DialTimeout("unix", path, time.Second)
+	if err == nil {
+		c.Close()
+		return false
+	}
+	return errors.Is(err, syscall.ECONNREFUSED)
+}
+
+// lockStart serialises the gates' starts on the node (a lock file in the
+// plugin dir, released by the returned func). A holder keeps it for
+// seconds at most; past startLockWait (a frozen holder) it returns nil and
+// no error, and the caller starts without the stale-socket cleanup.
+func (d *Driver) lockStart(ctx context.Context) (func(), error) {
+	f, err := os.OpenFile(filepath.Join(d.cfg.PluginDir, "start.lock"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("dra: %w", err)
+	}
+	giveUp := time.Now().Add(startLockWait)
+	for {
+		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		if err == nil {
+			return func() { f.Close() }, nil
+		}
+		if !errors.Is(err, unix.EWOULDBLOCK) {
+			f.Close()
+			return nil, fmt.Errorf("dra: lock %s: %w", f.Name(), err)
+		}
+		if ctx.Err() != nil || time.Now().After(giveUp) {
+			f.Close()
+			return nil, nil
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(lingerPoll):
+		}
+	}
+}
+
+// startLockWait bounds the wait for another gate's start.
+const startLockWait = 10 * time.Second
+
+// stopSlices stops writing the node's slice, leaving it as it is.
+func (d *Driver) stopSlices() {
+	d.wantMu.Lock()
+	ctl := d.sliceWriter
+	d.sliceWriter = nil
+	d.wantMu.Unlock()
+	ctl.Stop()
+}
+
 // RetryInterval is how soon a failed slice write is retried.
 var RetryInterval = 2 * time.Second
 
-// wipeRecheck is how often a deleted slice is handed to the helper again
+// wipeRecheck is how often a deleted slice is handed to the controller again
 // until it is back.
 const (
 	wipeRecheck   = 250 * time.Millisecond
@@ -371,17 +746,35 @@ func (d *Driver) setReady(st readiness.State) {
 	}
 }
 
-// publish hands the helper the pool for st; the helper writes only what
+// publish hands the slice controller the pool for st; it writes only what
 // differs from the stored slice, in the background.
-func (d *Driver) publish(ctx context.Context, helper *kubeletplugin.Helper, st readiness.State) error {
+func (d *Driver) publish(ctx context.Context, st readiness.State) error {
 	keys := TaintKeys(st)
+	res := Resources(d.cfg.NodeName, keys)
 	d.wantMu.Lock()
 	if !d.wantSet || !slices.Equal(keys, d.wantKeys) {
 		d.wantKeys, d.wantSince, d.wantSet = keys, time.Now(), true
 	}
+	ctl := d.sliceWriter
 	d.wantMu.Unlock()
-	if err := helper.PublishResources(ctx, Resources(d.cfg.NodeName, keys)); err != nil {
-		return fmt.Errorf("dra: publish: %w", err)
+	if ctl != nil {
+		ctl.Update(&res)
+	} else {
+		// As the helper's PublishResources would start it, but with
+		// the gate's lifetime rather than the helper's (Retire).
+		ctl, err := resourceslice.StartController(klog.NewContext(ctx, klog.LoggerWithName(klog.FromContext(ctx), "ResourceSlice controller")),
+			resourceslice.Options{DriverName: d.cfg.DriverName, KubeClient: d.cfg.Client,
+				Owner:     &resourceslice.Owner{APIVersion: "v1", Kind: "Node", Name: d.cfg.NodeName},
+				Resources: &res, ErrorHandler: d.sliceError})
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil // stopped while the controller synced
+			}
+			return fmt.Errorf("dra: publish: %w", err)
+		}
+		d.wantMu.Lock()
+		d.sliceWriter = ctl
+		d.wantMu.Unlock()
 	}
 	d.checkSeen()
 	return nil
@@ -459,7 +852,7 @@ func (d *Driver) watchSlices(ctx context.Context) <-chan struct{} {
 			d.wantMu.Unlock()
 			// The kubelet wipes every slice of its node when it starts
 			// (and a driver's when its connection is gone 30 s); the
-			// helper would only look again after its 30 s sync delay.
+			// slice controller would only look again after its 30 s sync delay.
 			// Ask it now: pods need not wait half a minute for a slice
 			// of a driver that is serving.
 			select {
@@ -487,7 +880,7 @@ func (d *Driver) checkSeen() {
 }
 
 // RemoveFromNode deletes this driver's slices of this node: for the
-// agent's uninstall, after Run has returned (the helper would write them
+// agent's uninstall, after Run has returned (the gate would write them
 // again otherwise). The kubelet would withdraw them some 30 s after the
 // plugin deregistered; this does not wait for that.
 func (d *Driver) RemoveFromNode(ctx context.Context) error {
@@ -515,8 +908,10 @@ func (d *Driver) RemoveFromNode(ctx context.Context) error {
 // retries and the pod waits); when ready each claim is recorded and its
 // allocated device returned. Repeats answer the same.
 func (d *Driver) PrepareResourceClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
+	d.kubeletUses()
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	d.prepared = d.readCheckpoint()
 	out := make(map[types.UID]kubeletplugin.PrepareResult, len(claims))
 	if !d.ready {
 		for _, c := range claims {
@@ -553,8 +948,10 @@ func (d *Driver) PrepareResourceClaims(ctx context.Context, claims []*resourceap
 // UnprepareResourceClaims implements kubeletplugin.DRAPlugin: forgets the
 // claims; one never prepared (or forgotten before) is not an error.
 func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
+	d.kubeletUses()
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	d.prepared = d.readCheckpoint()
 	out := make(map[types.UID]error, len(claims))
 	next := maps(d.prepared)
 	for _, c := range claims {
@@ -581,21 +978,34 @@ func (d *Driver) Prepared() []string {
 	return out
 }
 
-// HandleError implements kubeletplugin.DRAPlugin. The API server dropping
-// fields of the slice (device taints or allowMultipleAllocations: features
-// off) would publish a device that looks ready while it is not: that stops
-// the gate, as does a failure of the helper's gRPC servers. Other
-// publishing errors are retried by the helper.
+// HandleError implements kubeletplugin.DRAPlugin: a failure of the
+// helper's gRPC servers stops the gate.
 func (d *Driver) HandleError(ctx context.Context, err error, msg string) {
-	var dropped *resourceslice.DroppedFieldsError
-	if errors.As(err, &dropped) || !errors.Is(err, kubeletplugin.ErrRecoverable) {
-		select {
-		case d.fatal <- fmt.Errorf("dra: %s: %w", msg, err):
-		default:
-		}
+	if !errors.Is(err, kubeletplugin.ErrRecoverable) {
+		d.stopOn(fmt.Errorf("dra: %s: %w", msg, err))
 		return
 	}
-	d.log.Warn("DRA helper: "+msg+"; retrying", "err", err)
+	d.sliceError(ctx, err, msg)
+}
+
+func (d *Driver) stopOn(err error) {
+	select {
+	case d.fatal <- err:
+	default:
+	}
+}
+
+// sliceError handles the slice controller's errors. The API server
+// dropping fields of the slice (device taints or allowMultipleAllocations:
+// features off) would publish a device that looks ready while it is not:
+// that stops the gate. Other errors are retried by the controller.
+func (d *Driver) sliceError(_ context.Context, err error, msg string) {
+	var dropped *resourceslice.DroppedFieldsError
+	if errors.As(err, &dropped) {
+		d.stopOn(fmt.Errorf("dra: %s: %w", msg, err))
+		return
+	}
+	d.log.Warn("DRA slice publishing: "+msg+"; retrying", "err", err)
 	select {
 	case d.retry <- struct{}{}:
 	default:
@@ -631,6 +1041,7 @@ var HealthResendEvery = 10 * time.Second
 // for the kubelet's own view; the gate itself is the device's taints and
 // NodePrepareResources.
 func (d *Driver) WatchHealthStatus(ctx context.Context, reports chan<- kubeletplugin.DeviceHealthReport) error {
+	d.kubeletUses()
 	changes, cancel := d.health.Subscribe()
 	defer cancel()
 	resend := time.NewTicker(HealthResendEvery)
@@ -645,12 +1056,21 @@ func (d *Driver) WatchHealthStatus(ctx context.Context, reports chan<- kubeletpl
 			return nil
 		case reports <- report:
 		}
-		select {
-		case <-ctx.Done():
-			return nil
-		case h = <-changes:
-		case <-resend.C:
-			h = d.health.Get()
+	wait:
+		for {
+			select {
+			case <-ctx.Done():
+				return nil
+			case h = <-changes:
+				break wait
+			case <-resend.C:
+				// Retired: the successor's plugin reports the health
+				// now, and the kubelet keeps whichever report came last.
+				if !d.isRetired() {
+					h = d.health.Get()
+					break wait
+				}
+			}
 		}
 	}
 }
@@ -665,27 +1085,32 @@ func (d *Driver) checkpointPath() string { return filepath.Join(d.cfg.PluginDir,
 func (d *Driver) loadCheckpoint() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.prepared = map[types.UID]string{}
+	d.prepared = d.readCheckpoint()
+	return nil
+}
+
+// readCheckpoint reads the record as the file holds it now: during a
+// hand-over the other agent's plugin may have written it since.
+func (d *Driver) readCheckpoint() map[types.UID]string {
 	b, err := os.ReadFile(d.checkpointPath())
 	if errors.Is(err, os.ErrNotExist) {
-		return nil
+		return map[types.UID]string{}
 	}
 	if err != nil {
 		// Bookkeeping only (nothing is decided from it): an agent that
 		// stopped on it would close the gate for a file.
 		d.log.Warn("the record of prepared claims cannot be read; starting a new one", "path", d.checkpointPath(), "err", err)
-		return nil
+		return map[types.UID]string{}
 	}
 	var cp checkpoint
-	if err := json.Unmarshal(b, &cp); err != nil {
-		// Only bookkeeping is lost: unprepare of an unknown claim succeeds.
-		d.log.Warn("the record of prepared claims is unreadable; starting a new one", "path", d.checkpointPath(), "err", err)
-		return nil
+	if err := json.Unmarshal(b, &cp); err != nil || cp.Claims == nil {
+		if err != nil {
+			// Only bookkeeping is lost: unprepare of an unknown claim succeeds.
+			d.log.Warn("the record of prepared claims is unreadable; starting a new one", "path", d.checkpointPath(), "err", err)
+		}
+		return map[types.UID]string{}
 	}
-	if cp.Claims != nil {
-		d.prepared = cp.Claims
-	}
-	return nil
+	return cp.Claims
 }
 
 // saveCheckpoint adopts next and writes it so no reader sees it half

@@ -102,16 +102,34 @@ func setReady(a *readiness.Aggregate) {
 // the test on its error).
 func (w *world) start(ready *readiness.Aggregate, obs *counter, grace time.Duration) (*Driver, func()) {
 	w.t.Helper()
-	d, err := New(Config{Client: w.agent, NodeName: nodeName, RegistrarDir: w.regDir, PluginDir: w.pluginDir,
-		StartupGrace: grace, Observer: obs, Logger: slog.New(slog.NewTextHandler(testWriter{w.t}, nil))})
+	d := w.driver(Config{StartupGrace: grace, Observer: obs})
+	stop, _ := w.run(d, ready)
+	testkit.Eventually(w.t, 10*time.Second, "the plugin socket", func() bool { _, err := os.Stat(d.PluginSocket()); return err == nil })
+	return d, stop
+}
+
+// driver is a gate of the world's node and directories, with cfg's other
+// fields.
+func (w *world) driver(cfg Config) *Driver {
+	w.t.Helper()
+	cfg.Client, cfg.NodeName, cfg.RegistrarDir, cfg.PluginDir = w.agent, nodeName, w.regDir, w.pluginDir
+	cfg.Logger = slog.New(slog.NewTextHandler(testWriter{w.t}, nil))
+	d, err := New(cfg)
 	if err != nil {
 		w.t.Fatal(err)
 	}
+	return d
+}
+
+// run runs d on ready until stop (which waits for Run and fails the test
+// on its error); returned is closed once Run has returned.
+func (w *world) run(d *Driver, ready *readiness.Aggregate) (stop func(), returned <-chan struct{}) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- d.Run(ctx, ready) }()
+	ended := make(chan struct{})
+	go func() { done <- d.Run(ctx, ready); close(ended) }()
 	var once sync.Once
-	stop := func() {
+	stop = func() {
 		once.Do(func() {
 			cancel()
 			if err := <-done; err != nil {
@@ -120,8 +138,7 @@ func (w *world) start(ready *readiness.Aggregate, obs *counter, grace time.Durat
 		})
 	}
 	w.t.Cleanup(stop)
-	testkit.Eventually(w.t, 10*time.Second, "the plugin socket", func() bool { _, err := os.Stat(d.PluginSocket()); return err == nil })
-	return d, stop
+	return stop, ended
 }
 
 func (w *world) slices() []resourceapi.ResourceSlice {

@@ -4,6 +4,8 @@ package e2e
 
 import (
 	"context"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -13,6 +15,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/inpod-dev/inpod/dra"
+	"github.com/inpod-dev/inpod/e2e/chart"
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
 
@@ -25,7 +28,9 @@ import (
 // is left alone), and uninstall takes the slice and the DeviceClass away.
 // A pod that names a ResourceClaim of the device sees the node's readiness
 // as the device's health in its allocatedResourcesStatus (the agent's
-// DRAResourceHealth stream through the kubelet).
+// DRAResourceHealth stream through the kubelet). An upgrade under a stream
+// of enrolled pods hands the node over with both agents' plugins serving
+// the driver: no claim refused, no ADD failed, the device never tainted.
 func TestE2EChartDRAMode(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
@@ -118,6 +123,8 @@ func TestE2EChartDRAMode(t *testing.T) {
 	c.standInUp(t)
 	c.enrolled(t, waitReady(t, ctx, c.Node, "mesh", "waiting"))
 
+	c.upgradeUnderChurn(t, taints)
+
 	c.standInDown(t)
 	if _, err := c.target.Helm(ctx, c.repo, "uninstall", "inpod", "-n", "inpod-system", "--wait", "--timeout", "3m"); err != nil {
 		t.Fatal(err)
@@ -128,5 +135,72 @@ func TestE2EChartDRAMode(t *testing.T) {
 	})
 	if got := podState(t, ctx, c.Node, "mesh", "app"); got != appState {
 		t.Fatalf("uninstall disturbed the enrolled pod: %s, was %s", got, appState)
+	}
+}
+
+// upgradeUnderChurn rolls the agent (a changed pod annotation) while
+// enrolled pods are created on the node: the surge's agent takes the node
+// over while the old one's kubelet plugin serves on, so the device is
+// never tainted, no pod's claim is refused (FailedPrepareDynamicResources),
+// no CNI ADD fails, and each pod runs redirected.
+func (c *chartNode) upgradeUnderChurn(t *testing.T, taints func() []string) {
+	t.Helper()
+	ctx := c.ctx
+	var oldAgent string
+	testkit.Eventually(t, time.Minute, "the agent pod Ready", func() bool { oldAgent = agentReady(t, ctx, c.Node); return oldAgent != "" })
+	oldLog := followPodLog(ctx, t, c.Client, chart.Namespace, oldAgent, containing("hand", "retire", "successor", "deregistering", "dra", "WARN", "ERROR"))
+	stream := startChurn(ctx, c.Client, "mesh", 500*time.Millisecond, 30)
+	c.install(t, "--set", "gates={dra}", "--set-string", `agent.podAnnotations.inpod\.dev/e2e-rollout=1`)
+	deadline := time.Now().Add(3 * time.Minute)
+	for {
+		if keys := taints(); len(keys) > 0 {
+			t.Fatalf("the device tainted during the rollout: %v", keys)
+		}
+		if name := agentReady(t, ctx, c.Node); name != "" && name != oldAgent {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for the upgraded agent Ready; the agent pods:\n%s", agentPodsReport(c.Client))
+		}
+		time.Sleep(50 * time.Millisecond) // sampling the slice, not synchronising
+	}
+	newAgent := agentReady(t, ctx, c.Node)
+	defer func() {
+		if t.Failed() {
+			logCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			newLines, err := podLogLines(logCtx, c.Client, chart.Namespace, newAgent, containing("hand", "tak", "dra", "plugin", "serving", "claim"))
+			t.Logf("the old agent's lines:\n%s\nthe upgraded agent's hand-over and gate lines (%v):\n%s",
+				strings.Join(oldLog(), "\n"), err, strings.Join(newLines, "\n"))
+		}
+	}()
+	churned := stream.stop()
+	if len(churned) < 5 {
+		t.Fatalf("only %d pods were created during the upgrade: the stream proves nothing", len(churned))
+	}
+	for _, name := range churned {
+		c.enrolled(t, waitReady(t, ctx, c.Node, "mesh", name))
+	}
+	for _, reason := range []string{"FailedCreatePodSandBox", "FailedPrepareDynamicResources"} {
+		evs, err := c.Client.CoreV1().Events("mesh").List(ctx, metav1.ListOptions{FieldSelector: "reason=" + reason})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, ev := range evs.Items {
+			if slices.Contains(churned, ev.InvolvedObject.Name) {
+				t.Errorf("%s on %s, created during the upgrade: %s", reason, ev.InvolvedObject.Name, ev.Message)
+			}
+		}
+	}
+	const taken = `inpod_agent_handovers_total{role="taken"}`
+	if got := agentSample(agentMetricsPort, taken); got != 1 {
+		t.Errorf("the upgraded agent's %s is %v, want 1: it did not take the node over", taken, got)
+	}
+	if !t.Failed() {
+		t.Logf("%d enrolled pods created during the upgrade: every one redirected, no claim refused, no failed ADD; the retired agent's gate:\n%s",
+			len(churned), strings.Join(slices.DeleteFunc(oldLog(), func(l string) bool { return !containing("retired", "successor", "deregistering")(l) }), "\n"))
+	}
+	for _, name := range churned {
+		c.Client.CoreV1().Pods("mesh").Delete(ctx, name, metav1.DeleteOptions{})
 	}
 }

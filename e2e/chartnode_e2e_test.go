@@ -3,12 +3,15 @@
 package e2e
 
 import (
+	"bufio"
 	"context"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -298,4 +301,60 @@ func (c *chartNode) enrolled(t *testing.T, p *corev1.Pod) {
 		got, err := c.Client.CoreV1().Pods(p.Namespace).Get(c.ctx, p.Name, metav1.GetOptions{})
 		return err == nil && got.Annotations[enrollment.RedirectionAnnotation] == "enabled"
 	})
+}
+
+// podLogLines reads a pod's log whole and keeps the lines keep selects.
+func podLogLines(ctx context.Context, c kubernetes.Interface, ns, pod string, keep func(string) bool) ([]string, error) {
+	raw, err := c.CoreV1().Pods(ns).GetLogs(pod, &corev1.PodLogOptions{}).DoRaw(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var lines []string
+	for l := range strings.Lines(string(raw)) {
+		if l = strings.TrimSpace(l); keep(l) {
+			lines = append(lines, l)
+		}
+	}
+	return lines, nil
+}
+
+// followPodLog follows a pod's log from now and returns the lines keep
+// selected so far: a pod going away takes its log with it.
+func followPodLog(ctx context.Context, t testing.TB, c kubernetes.Interface, ns, pod string, keep func(string) bool) func() []string {
+	t.Helper()
+	since := metav1.Now()
+	stream, err := c.CoreV1().Pods(ns).GetLogs(pod, &corev1.PodLogOptions{Follow: true, SinceTime: &since}).Stream(ctx)
+	if err != nil {
+		// Diagnostics only: the test goes on without them.
+		t.Logf("following %s/%s's log: %v", ns, pod, err)
+		return func() []string { return nil }
+	}
+	var (
+		mu    sync.Mutex
+		lines []string
+	)
+	go func() {
+		defer stream.Close()
+		sc := bufio.NewScanner(stream)
+		sc.Buffer(make([]byte, 64*1024), 1024*1024)
+		for sc.Scan() {
+			if l := sc.Text(); keep(l) {
+				mu.Lock()
+				lines = append(lines, l)
+				mu.Unlock()
+			}
+		}
+	}()
+	return func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(lines)
+	}
+}
+
+// containing selects the lines that contain one of words.
+func containing(words ...string) func(string) bool {
+	return func(l string) bool {
+		return slices.ContainsFunc(words, func(w string) bool { return strings.Contains(l, w) })
+	}
 }

@@ -3,11 +3,9 @@
 package e2e
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"os"
-	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -27,9 +25,11 @@ import (
 	"github.com/inpod-dev/inpod/internal/testkit"
 )
 
-// RolloutSection is the bench report's section for an agent rollout under
-// pod churn.
-const RolloutSection = "Agent rollout under pod churn (device-plugin gate)"
+// rolloutSection is the bench report's section for an agent rollout under
+// pod churn with gate.
+func rolloutSection(gate string) string {
+	return fmt.Sprintf("Agent rollout under pod churn (%s gate)", gate)
+}
 
 // Pacing of the rollout benchmark: one enrolled pod every 500 ms, for long
 // enough to cover an agent's rollout on the node. The 2-CPU test node
@@ -69,7 +69,7 @@ type streamResult struct {
 // helm upgrade rolls the agent's DaemonSet (a changed pod annotation: the
 // same rollout as a new image, without a registry). Each pod is deleted
 // once Ready, so the stream never reaches the node's pod limit.
-func benchRollout(ctx context.Context, b *testing.B, c kubernetes.Interface, target chart.Target, repo, tag string, values []string) {
+func benchRollout(ctx context.Context, b *testing.B, c kubernetes.Interface, target chart.Target, repo, tag, gate string, values []string) {
 	const ns = "churn"
 	ensureNamespace(ctx, b, c, ns, map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient})
 	quiet := sandboxCount(b)
@@ -79,7 +79,7 @@ func benchRollout(ctx context.Context, b *testing.B, c kubernetes.Interface, tar
 	// first did, or it would be judged on the first one's teardown.
 	waitQuiet(ctx, b, quiet)
 	upgraded := make(chan time.Duration, 1)
-	logs := followAgentLogs(ctx, b, c, "deviceplugin")
+	logs := followAgentLogs(ctx, b, c, gate)
 	roll := podStream(ctx, b, c, ns, "rollout", func() {
 		start := time.Now()
 		b.Logf("rollout: helm upgrade at %s", start.Format("15:04:05.000"))
@@ -109,22 +109,29 @@ func benchRollout(ctx context.Context, b *testing.B, c kubernetes.Interface, tar
 		}
 		b.Logf("%s: pods Ready per 10 s from the stream's start: %v", r.name, timeline(r.got.readyAt, 10*time.Second))
 	}
-	benchreport.Record(b, benchreport.Figure{Section: RolloutSection,
+	section := rolloutSection(gate)
+	if gate == "dra" {
+		benchreport.Record(b, benchreport.Figure{Section: section,
+			Name:  fmt.Sprintf("claims refused or unserved (FailedPrepareDynamicResources events) during the rollout, %d pods", streamPods),
+			Value: float64(roll.warnings["FailedPrepareDynamicResources"]), Unit: "events", FloorName: "without a rollout",
+			Floor: float64(base.warnings["FailedPrepareDynamicResources"]), Target: "0"})
+	}
+	benchreport.Record(b, benchreport.Figure{Section: section,
 		Name:  fmt.Sprintf("pods rejected by the kubelet (UnexpectedAdmissionError) during the rollout, of %d", streamPods),
 		Value: float64(len(roll.rejected)), Unit: "pods", FloorName: "without a rollout", Floor: float64(len(base.rejected)), Target: "0"})
-	benchreport.Record(b, benchreport.Figure{Section: RolloutSection,
+	benchreport.Record(b, benchreport.Figure{Section: section,
 		Name:  fmt.Sprintf("failed CNI ADDs (FailedCreatePodSandBox events) during the rollout, %d pods", streamPods),
 		Value: float64(roll.failedADDs), Unit: "events", FloorName: "without a rollout", Floor: float64(base.failedADDs), Target: "0"})
 	for _, q := range []struct {
 		name string
 		q    float64
 	}{{"median", 0.5}, {"p99", 0.99}} {
-		benchreport.Record(b, benchreport.Figure{Section: RolloutSection,
+		benchreport.Record(b, benchreport.Figure{Section: section,
 			Name:  fmt.Sprintf("enrolled pod create → Ready during the rollout, %s (one every %s)", q.name, streamEvery),
 			Value: ms(quantile(roll.ready, q.q)), Unit: "ms", FloorName: "the same stream without a rollout", Floor: ms(quantile(base.ready, q.q)),
 			Target: "p99 within 1.2× of the stream without a rollout"})
 	}
-	benchreport.Record(b, benchreport.Figure{Section: RolloutSection,
+	benchreport.Record(b, benchreport.Figure{Section: section,
 		Name: "helm upgrade → the new agent pod Ready", Value: ms(took), Unit: "ms"})
 }
 
@@ -313,16 +320,9 @@ func agentLogLines(ctx context.Context, b *testing.B, c kubernetes.Interface, ke
 		b.Logf("the agent pod: %v (%d pods)", err, len(pods.Items))
 		return nil
 	}
-	raw, err := c.CoreV1().Pods(chart.Namespace).GetLogs(pods.Items[0].Name, &corev1.PodLogOptions{}).DoRaw(ctx)
+	lines, err := podLogLines(ctx, c, chart.Namespace, pods.Items[0].Name, keep)
 	if err != nil {
 		b.Logf("the agent's log: %v", err)
-		return nil
-	}
-	var lines []string
-	for l := range strings.Lines(string(raw)) {
-		if l = strings.TrimSpace(l); keep(l) {
-			lines = append(lines, l)
-		}
 	}
 	return lines
 }
@@ -387,30 +387,7 @@ func followAgentLogs(ctx context.Context, b *testing.B, c kubernetes.Interface, 
 	if err != nil || len(pods.Items) != 1 {
 		b.Fatalf("the agent pod: %v (%d pods)", err, len(pods.Items))
 	}
-	since := metav1.Now()
-	stream, err := c.CoreV1().Pods(chart.Namespace).GetLogs(pods.Items[0].Name, &corev1.PodLogOptions{Follow: true, SinceTime: &since}).Stream(ctx)
-	if err != nil {
-		b.Fatal(err)
-	}
-	var (
-		mu    sync.Mutex
-		lines []string
-	)
-	go func() {
-		defer stream.Close()
-		sc := bufio.NewScanner(stream)
-		sc.Buffer(make([]byte, 64*1024), 1024*1024)
-		for sc.Scan() {
-			if l := sc.Text(); strings.Contains(l, `"component":"`+component+`"`) || strings.Contains(l, "allocatable") || handoverLine(l) {
-				mu.Lock()
-				lines = append(lines, l)
-				mu.Unlock()
-			}
-		}
-	}()
-	return func() []string {
-		mu.Lock()
-		defer mu.Unlock()
-		return slices.Clone(lines)
-	}
+	return followPodLog(ctx, b, c, chart.Namespace, pods.Items[0].Name, func(l string) bool {
+		return strings.Contains(l, `"component":"`+component+`"`) || strings.Contains(l, "allocatable") || handoverLine(l)
+	})
 }

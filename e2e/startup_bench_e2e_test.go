@@ -235,7 +235,9 @@ func benchGateMode(ctx context.Context, b *testing.B, repo, imgDir string, m gat
 	}
 	if m.name == "deviceplugin" {
 		benchTamperRepair(ctx, b, client, m.name)
-		b.Run("rollout", func(b *testing.B) { benchRollout(ctx, b, client, target, repo, release.DevTag, m.values(node)) })
+	}
+	if m.name == "deviceplugin" || m.name == "dra" {
+		b.Run("rollout", func(b *testing.B) { benchRollout(ctx, b, client, target, repo, release.DevTag, m.name, m.values(node)) })
 	}
 	if m.open == nil {
 		return

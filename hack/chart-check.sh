@@ -142,6 +142,22 @@ for mode in bootstrap continuous; do
     grep -qF -- "$want" <<<"$out" || { echo "controller mode=$mode: rendered chart lacks $want" >&2; exit 1; }
   done
 done
+# The controller's client limits: qps always passed, burst only when set
+# (0 lets the binary follow qps).
+out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}' --set controller.enabled=true)
+grep -qF -- "--kube-api-qps=100" <<<"$out" || { echo "controller: default --kube-api-qps=100 not rendered" >&2; exit 1; }
+if grep -qF -- "--kube-api-burst" <<<"$out"; then echo "controller: --kube-api-burst rendered while controller.kubeAPI.burst is 0" >&2; exit 1; fi
+# A release from before these values, upgraded with --reuse-values, has no
+# controller.kubeAPI: it renders, with the binary's defaults.
+"$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}' --set controller.enabled=true --set controller.kubeAPI=null >/dev/null ||
+  { echo "controller: values without controller.kubeAPI (an older release's, --reuse-values) do not render" >&2; exit 1; }
+out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}' --set controller.enabled=true --set-json 'controller.kubeAPI={"qps":500}') ||
+  { echo "controller: controller.kubeAPI.qps alone (an older release's values, --reuse-values --set) does not render" >&2; exit 1; }
+grep -qF -- "--kube-api-qps=500" <<<"$out" || { echo "controller: controller.kubeAPI.qps alone not rendered" >&2; exit 1; }
+out=$("$helm" template inpod "$chart" -n inpod-system --set 'gates={node-condition}' --set controller.enabled=true --set controller.kubeAPI.qps=250 --set controller.kubeAPI.burst=500)
+for want in "--kube-api-qps=250" "--kube-api-burst=500"; do
+  grep -qF -- "$want" <<<"$out" || { echo "controller: rendered chart lacks $want" >&2; exit 1; }
+done
 # The mesh nodes are the agent's nodes at most: by default the policy and
 # the controller select kubernetes.io/os=linux, not every node (a node
 # without an agent would keep the taint forever).
@@ -275,6 +291,10 @@ refuse "controller/taint/effect" --set controller.enabled=true --set controller.
 refuse "controller/taint/key" --set controller.enabled=true --set 'controller.taint.key=not a key'
 refuse "controller/grace" --set controller.enabled=true --set controller.grace=30
 refuse "controller/replicas" --set controller.enabled=true --set controller.replicas=0
+refuse "controller/kubeAPI/qps" --set controller.enabled=true --set controller.kubeAPI.qps=0
+refuse "controller/kubeAPI/burst" --set controller.enabled=true --set controller.kubeAPI.burst=-1
+refuse "controller/kubeAPI/qps" --set controller.enabled=true --set controller.kubeAPI.qps=9223372036854775807
+refuse "controller.kubeAPI.burst 150 is below controller.kubeAPI.qps 300" --set controller.enabled=true --set controller.kubeAPI.qps=300 --set controller.kubeAPI.burst=150
 refuse "controller.nodeTaintPolicy.enabled needs node-condition" --set controller.enabled=true --set controller.nodeTaintPolicy.enabled=true
 refuse "set controller.enabled" --set enrollment.autoRequest.mode=webhook
 refuse "set controller.enabled" --set enrollment.autoRequest.mode=webhook --set enrollment.autoRequest.enabled=false

@@ -470,12 +470,7 @@ func TestListenSocketModesAndStaleSocket(t *testing.T) {
 	path := filepath.Join(dir, "ztunnel.sock")
 	// A socket left by a dead agent: bound, then its listener gone.
 	os.MkdirAll(dir, 0o755)
-	stale, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	stale.SetUnlinkOnClose(false)
-	stale.Close()
+	testkit.StaleUnixSocket(t, "unixpacket", path)
 
 	srv, err := zds.NewServer(zds.Config{SocketPath: path, Source: &source{}, Logger: testLogger(t)})
 	if err != nil {

@@ -14,7 +14,8 @@
 // directory, the peer's uid checked by SO_PEERCRED), one exchange at a time:
 //
 //  1. The successor (Take) sends "take" with its rank (its pod's creation
-//     time): the agent of the newest pod serves.
+//     time, a tie within one second broken by the DaemonSet template's
+//     generation): the agent of the newest pod serves.
 //  2. The running agent (Serve) refuses an older rank. Otherwise it pauses
 //     (Source.Pause: stops accepting, finishes what is in flight, closes
 //     its ztunnel connections) and sends its listening sockets, named, as
@@ -260,14 +261,7 @@ var errProbe = errors.New("handover: probed")
 // without asking it for anything: a starting agent that finds one waits
 // until it is ready to serve before it takes over, and binds the sockets
 // at once otherwise.
-func Serving(path string) bool {
-	c, err := net.DialTimeout("unixpacket", path, time.Second)
-	if err != nil {
-		return false
-	}
-	c.Close()
-	return true
-}
+func Serving(path string) bool { return unixsock.Serving("unixpacket", path) }
 
 // Take asks the agent serving the hand-over socket at path for its
 // sockets. rank orders agents: the pod created last serves (its creation

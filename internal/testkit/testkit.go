@@ -6,6 +6,7 @@ package testkit
 
 import (
 	"context"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -147,4 +148,17 @@ func openFDs(t *testing.T) int {
 		t.Fatal(err)
 	}
 	return len(entries)
+}
+
+// StaleUnixSocket leaves a socket file at path that nobody serves, as a
+// process killed without its clean stop does: connecting is refused.
+func StaleUnixSocket(t testing.TB, network, path string) {
+	t.Helper()
+	ln, err := net.ListenUnix(network, &net.UnixAddr{Name: path, Net: network})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln.SetUnlinkOnClose(false)
+	ln.Close()
+	t.Cleanup(func() { os.Remove(path) })
 }

@@ -46,6 +46,17 @@ func Listen(network, path string) (*net.UnixListener, error) {
 	return ln, nil
 }
 
+// Serving reports whether something accepts connections on the socket at
+// path (network "unix" or "unixpacket"), asking it for nothing.
+func Serving(network, path string) bool {
+	c, err := net.DialTimeout(network, path, time.Second)
+	if err != nil {
+		return false
+	}
+	c.Close()
+	return true
+}
+
 func removeStale(network, path string) error {
 	fi, err := os.Lstat(path)
 	if errors.Is(err, fs.ErrNotExist) {
