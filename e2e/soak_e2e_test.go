@@ -304,7 +304,10 @@ func (s *soak) clobberedDuring(from, to time.Time) bool {
 }
 
 func (s *soak) logf(format string, args ...any) {
-	s.t.Logf("soak +%s: %s", time.Since(s.start).Round(time.Second), fmt.Sprintf(format, args...))
+	// The wall clock too: violations and the kubelet's log name moments
+	// by it.
+	now := time.Now()
+	s.t.Logf("soak +%s (%s): %s", now.Sub(s.start).Round(time.Second), now.UTC().Format("15:04:05"), fmt.Sprintf(format, args...))
 }
 
 // standInUp runs the stand-in DaemonSet with its record on the host (one
@@ -933,7 +936,7 @@ func (s *soak) checkAdmissions() {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	checked, closing := 0, 0
+	checked, closing, away := 0, 0, 0
 	for k, p := range s.judged {
 		if !p.enrolled || !p.gated {
 			continue
@@ -946,6 +949,8 @@ func (s *soak) checkAdmissions() {
 		switch verdict, since := admissionVerdict(s.ready, at); verdict {
 		case admittedWhileClosing:
 			closing++
+		case admittedBeforeReport:
+			away++
 		case admittedNotReady:
 			msg := fmt.Sprintf("enrolled %s was admitted by the kubelet at %s while the agent reported not ready (since %s)",
 				k, at.UTC().Format("15:04:05.000000"), since.UTC().Format("15:04:05.000"))
@@ -955,6 +960,7 @@ func (s *soak) checkAdmissions() {
 	}
 	s.outcomes["admissions checked"] = checked
 	s.outcomes["admitted while the gate closed"] = closing
+	s.outcomes["admitted as the agent came back"] = away
 }
 
 type admission int
@@ -970,6 +976,15 @@ const (
 	// admittedNotReady: later than that into the run, a gate that did not
 	// close.
 	admittedNotReady
+	// admittedBeforeReport: every sample around it says not ready, but
+	// the agent's last report read before it said ready: the agent was
+	// away in between (frozen, restarting, or between the two agents of a
+	// hand-over, whose retired device plugin stays Healthy by design until
+	// the successor's registers) or the scrapes stalled, and it reported
+	// not ready only after the kubelet had the pod. The kubelet went by
+	// the last report it had; a pod it admitted waits at its CNI ADD (the
+	// CI soak met one in a hand-over).
+	admittedBeforeReport
 )
 
 // admissionVerdict judges an admission at at against the readiness
@@ -989,11 +1004,34 @@ func admissionVerdict(samples []readySample, at time.Time) (admission, time.Time
 	if known < 2 || notReady != known {
 		return admittedReady, time.Time{}
 	}
-	since, ok := notReadySince(samples, at)
-	if ok && at.Sub(since) <= deviceplugin.DefaultCloseTimeout+time.Second {
+	since := lastReportedNotReadySince(samples, at)
+	if since.IsZero() {
+		return admittedBeforeReport, time.Time{}
+	}
+	if at.Sub(since) <= deviceplugin.DefaultCloseTimeout+time.Second {
 		return admittedWhileClosing, since
 	}
 	return admittedNotReady, since
+}
+
+// lastReportedNotReadySince is when the agent's reports before t last
+// turned not ready, zero when the last report read before t was ready (or
+// none was read). Unreadable samples in between are skipped, not taken for
+// a change: what the kubelet has is the last report the agent's plugin
+// made (a frozen agent's, a retired one's that serves on unchanged), and a
+// scrape can also fail on a loaded node while the agent serves on.
+func lastReportedNotReadySince(samples []readySample, t time.Time) time.Time {
+	var since time.Time
+	for i := len(samples) - 1; i >= 0; i-- {
+		switch r := samples[i]; {
+		case r.at.After(t) || r.ready < 0:
+		case r.ready == 0:
+			since = r.at
+		default:
+			return since
+		}
+	}
+	return since
 }
 
 // --- judging -----------------------------------------------------------
@@ -1141,7 +1179,9 @@ func (s *soak) judge(sp *soakPod, p *corev1.Pod, byIP map[string]string, round *
 			s.violate("%s outside the mesh failed: %s %s", key, p.Status.Reason, p.Status.Message)
 		}
 		// An enrolled pod refused at admission (the kubelet's device
-		// manager while not ready) fails closed: allowed.
+		// manager while not ready) fails closed: allowed. Named with its
+		// times, to be placed among the faults.
+		s.logf("%s failed (created %s): %s %s", key, created.UTC().Format("15:04:05"), p.Status.Reason, p.Status.Message)
 		s.done(sp, "failed ("+p.Status.Reason+")")
 		return
 	}

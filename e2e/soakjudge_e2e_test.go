@@ -155,10 +155,46 @@ func TestE2ESoakJudgeAdmissionDuringTheGatesClose(t *testing.T) {
 			t.Errorf("%s: verdict %d, want %d (not ready since %s)", c.name, got, c.want, since.Format("15:04:05.000"))
 		}
 	}
-	// An unreadable sample (the agent down) breaks the run: not ready since
-	// after it.
-	s[12].ready = -1 // 6 s
-	if got, since := admissionVerdict(s, at(13000)); got != admittedNotReady || !since.Equal(at(6500)) {
-		t.Errorf("after an unreadable sample: verdict %d since %s, want not ready since 6.5 s", got, since)
+	unreadable := func(s []readySample, fromMS, toMS int) []readySample {
+		out := append([]readySample(nil), s...)
+		for i := range out {
+			if ms := int(out[i].at.Sub(at(0)) / time.Millisecond); ms >= fromMS && ms <= toMS {
+				out[i].ready = -1
+			}
+		}
+		return out
+	}
+	// An unreadable sample inside a not-ready run (a scrape timed out, or
+	// the agent frozen) does not restart the run: the kubelet still has
+	// the agent's last report.
+	if got, since := admissionVerdict(unreadable(s, 6000, 6000), at(13000)); got != admittedNotReady || !since.Equal(at(5000)) {
+		t.Errorf("an unreadable sample within the run: verdict %d since %s, want not ready since 5 s", got, since)
+	}
+	// The agent not ready for long, then away just before the admission:
+	// still a gate that did not close.
+	if got, since := admissionVerdict(unreadable(s, 12000, 13000), at(13200)); got != admittedNotReady || !since.Equal(at(5000)) {
+		t.Errorf("not ready for 7 s, then away at the admission: verdict %d since %s, want not ready since 5 s", got, since)
+	}
+	// The CI soak's case: the agent ready, then away (unreadable) up to
+	// the moment the kubelet had the pod, not ready only after: the
+	// kubelet went by the last report it had, ready. Once the agent has
+	// reported not ready, its report counts again.
+	away := unreadable(samples(5000), 3000, 5000)
+	if got, _ := admissionVerdict(away, at(5200)); got != admittedBeforeReport {
+		t.Errorf("ready, then away until just before the first not-ready sample: verdict %d, want %d", got, admittedBeforeReport)
+	}
+	if got, since := admissionVerdict(away, at(5500+int(deviceplugin.DefaultCloseTimeout/time.Millisecond)+1500)); got != admittedNotReady || !since.Equal(at(5500)) {
+		t.Errorf("after the agent's first not-ready sample, past the close: verdict %d since %s, want not ready since 5.5 s", got, since)
+	}
+	// The scrapes stalled after a ready sample: the last report the judge
+	// read was ready.
+	var stalled []readySample
+	for _, r := range samples(5000) {
+		if ms := int(r.at.Sub(at(0)) / time.Millisecond); ms <= 2000 || ms >= 5500 {
+			stalled = append(stalled, r)
+		}
+	}
+	if got, _ := admissionVerdict(stalled, at(5200)); got != admittedBeforeReport {
+		t.Errorf("a stall after a ready sample: verdict %d, want %d", got, admittedBeforeReport)
 	}
 }
