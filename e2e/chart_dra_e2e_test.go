@@ -174,10 +174,11 @@ func (c *chartNode) upgradeUnderChurn(t *testing.T, taints func() []string) {
 				strings.Join(oldLog(), "\n"), err, strings.Join(newLines, "\n"))
 		}
 	}()
-	churned := stream.stop()
-	if len(churned) < 5 {
-		t.Fatalf("only %d pods were created during the upgrade: the stream proves nothing", len(churned))
-	}
+	churned := stream.stopAfterHandOver(t, ctx, c.Client, oldAgent, func() {
+		if keys := taints(); len(keys) > 0 {
+			t.Fatalf("the device tainted during the rollout: %v", keys)
+		}
+	})
 	for _, name := range churned {
 		c.enrolled(t, waitReady(t, ctx, c.Node, "mesh", name))
 	}
