@@ -6,6 +6,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -19,6 +20,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/inpod-dev/inpod/e2e/chart"
+	"github.com/inpod-dev/inpod/e2e/cluster"
 	"github.com/inpod-dev/inpod/e2e/images"
 	"github.com/inpod-dev/inpod/enrollment"
 	"github.com/inpod-dev/inpod/internal/benchreport"
@@ -31,18 +33,33 @@ func rolloutSection(gate string) string {
 	return fmt.Sprintf("Agent rollout under pod churn (%s gate)", gate)
 }
 
-// Pacing of the rollout benchmark: one enrolled pod every 500 ms, for long
-// enough to cover an agent's rollout on the node. The 2-CPU test node
-// sustains neither this nor the issue's one every 200 ms (each pod deleted
-// once Ready): without a rollout, create → Ready grew to a median of 49–65 s
-// at 500 ms and 96 s at 200 ms. What counts here are the pods rejected and
-// the CNI ADDs failed; the latency ratio compares two saturated streams.
+// Pacing of the rollout benchmark: one enrolled pod every streamEvery
+// (INPOD_BENCH_STREAM_EVERY, default 1 s), for long enough to cover an
+// agent's rollout on the node. The issue asks for one every 200 ms; the
+// 2-CPU test node sustains neither that nor one every 500 ms (each pod
+// deleted once Ready): without a rollout, create → Ready grew to a median of
+// 49–77 s at 500 ms and 96 s at 200 ms, the node full of pods waiting for
+// CPU, and the surge agent itself waited for a pod slot ("Too many pods").
+// A ratio of two saturated streams measures the node's backlog, not the
+// rollout; at a pace the node sustains it measures what the rollout adds.
+// A larger node can run the issue's pace with INPOD_BENCH_STREAM_EVERY=200ms.
 const (
-	streamEvery = 500 * time.Millisecond
-	streamPods  = 150
+	streamPods = 150
 	// rolloutAfter pods into the stream, helm upgrade starts.
 	rolloutAfter = 10
 )
+
+func streamEvery(b *testing.B) time.Duration {
+	v := os.Getenv("INPOD_BENCH_STREAM_EVERY")
+	if v == "" {
+		return time.Second
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || d <= 0 {
+		b.Fatalf("INPOD_BENCH_STREAM_EVERY=%q: want a positive duration such as 200ms", v)
+	}
+	return d
+}
 
 // streamResult is what a stream of enrolled pods met.
 type streamResult struct {
@@ -61,19 +78,28 @@ type streamResult struct {
 	// readyAt is each Ready pod's time from the stream's start, for the
 	// timeline that shows when the node stalled.
 	readyAt []time.Duration
+	// slowest is each 10 s of the stream's creations' longest create →
+	// Ready, so a slowdown shows where it began and whether it lasted.
+	slowest []time.Duration
 	start   time.Time
 }
 
 // benchRollout measures what an agent rollout does to enrolled pods being
-// created on the node: one every 200 ms, first with no rollout, then while
-// helm upgrade rolls the agent's DaemonSet (a changed pod annotation: the
+// created on the node: one every streamEvery, with no rollout, then while
+// helm upgrade rolls the agent's DaemonSet, then with no rollout again (a changed pod annotation: the
 // same rollout as a new image, without a registry). Each pod is deleted
 // once Ready, so the stream never reaches the node's pod limit.
-func benchRollout(ctx context.Context, b *testing.B, c kubernetes.Interface, target chart.Target, repo, tag, gate string, values []string) {
+func benchRollout(ctx context.Context, b *testing.B, c kubernetes.Interface, node *cluster.Node, target chart.Target, repo, tag, gate string, values []string) {
 	const ns = "churn"
 	ensureNamespace(ctx, b, c, ns, map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient})
 	quiet := sandboxCount(b)
-	base := podStream(ctx, b, c, ns, "steady", nil)
+	metrics := agentMetrics(ctx, b, node)
+	before := metrics()
+	steady := podStream(ctx, b, c, ns, "steady", nil)
+	// The agent's own part of each ADD (its metrics): the old agent's over
+	// the first stream, the new one's over its life, nearly all of the
+	// second stream.
+	b.Logf("no rollout: the agent's CNI ADD, mean %s", metrics().enrollMean(before).Round(100*time.Microsecond))
 	// The pods are gone from the API before the kubelet has torn their
 	// sandboxes down: the second stream starts on a node as quiet as the
 	// first did, or it would be judged on the first one's teardown.
@@ -90,6 +116,8 @@ func benchRollout(ctx context.Context, b *testing.B, c kubernetes.Interface, tar
 		upgraded <- time.Since(start)
 	})
 	took := <-upgraded
+	rolled := metrics()
+	b.Logf("agent rollout: the new agent's CNI ADD, mean %s", rolled.enrollMean(agentSnapshot{}).Round(100*time.Microsecond))
 	b.Logf("rollout: helm upgrade → the new agent pod Ready: %s", took.Round(time.Millisecond))
 	for _, l := range logs() {
 		b.Logf("the old agent: %s", l)
@@ -97,10 +125,17 @@ func benchRollout(ctx context.Context, b *testing.B, c kubernetes.Interface, tar
 	for _, l := range agentLogLines(ctx, b, c, handoverLine) {
 		b.Logf("the new agent: %s", l)
 	}
+	// The same stream once more after the rollout: the floor is both
+	// streams without one, so a node that drifts over the run (its disk's
+	// writeback, the API server's growing history) is not charged to the
+	// rollout in the middle.
+	waitQuiet(ctx, b, quiet)
+	after := podStream(ctx, b, c, ns, "after", nil)
+	b.Logf("after the rollout: the new agent's CNI ADD, mean %s", metrics().enrollMean(rolled).Round(100*time.Microsecond))
 	for _, r := range []struct {
 		name string
 		got  streamResult
-	}{{"no rollout", base}, {"agent rollout", roll}} {
+	}{{"no rollout (before)", steady}, {"agent rollout", roll}, {"no rollout (after)", after}} {
 		b.Logf("%s: %d pods Ready, %d rejected %v, %d failed CNI ADDs (FailedCreatePodSandBox events), %d unfinished; create → Ready median %s, p99 %s",
 			r.name, len(r.got.ready), len(r.got.rejected), r.got.rejected, r.got.failedADDs, r.got.unfinished,
 			quantile(r.got.ready, 0.5).Round(time.Millisecond), quantile(r.got.ready, 0.99).Round(time.Millisecond))
@@ -108,31 +143,50 @@ func benchRollout(ctx context.Context, b *testing.B, c kubernetes.Interface, tar
 			b.Logf("%s: %d %s events, e.g. %q", r.name, n, reason, r.got.warningSample[reason])
 		}
 		b.Logf("%s: pods Ready per 10 s from the stream's start: %v", r.name, timeline(r.got.readyAt, 10*time.Second))
+		b.Logf("%s: the slowest create → Ready of the pods created in each 10 s: %v", r.name, r.got.slowest)
 	}
+	base := steady.pooled(after)
 	section := rolloutSection(gate)
 	if gate == "dra" {
 		benchreport.Record(b, benchreport.Figure{Section: section,
 			Name:  fmt.Sprintf("claims refused or unserved (FailedPrepareDynamicResources events) during the rollout, %d pods", streamPods),
-			Value: float64(roll.warnings["FailedPrepareDynamicResources"]), Unit: "events", FloorName: "without a rollout",
+			Value: float64(roll.warnings["FailedPrepareDynamicResources"]), Unit: "events", FloorName: "without a rollout (two streams)",
 			Floor: float64(base.warnings["FailedPrepareDynamicResources"]), Target: "0"})
 	}
 	benchreport.Record(b, benchreport.Figure{Section: section,
 		Name:  fmt.Sprintf("pods rejected by the kubelet (UnexpectedAdmissionError) during the rollout, of %d", streamPods),
-		Value: float64(len(roll.rejected)), Unit: "pods", FloorName: "without a rollout", Floor: float64(len(base.rejected)), Target: "0"})
+		Value: float64(len(roll.rejected)), Unit: "pods", FloorName: "without a rollout (two streams)", Floor: float64(len(base.rejected)), Target: "0"})
 	benchreport.Record(b, benchreport.Figure{Section: section,
 		Name:  fmt.Sprintf("failed CNI ADDs (FailedCreatePodSandBox events) during the rollout, %d pods", streamPods),
-		Value: float64(roll.failedADDs), Unit: "events", FloorName: "without a rollout", Floor: float64(base.failedADDs), Target: "0"})
+		Value: float64(roll.failedADDs), Unit: "events", FloorName: "without a rollout (two streams)", Floor: float64(base.failedADDs), Target: "0"})
 	for _, q := range []struct {
 		name string
 		q    float64
 	}{{"median", 0.5}, {"p99", 0.99}} {
 		benchreport.Record(b, benchreport.Figure{Section: section,
-			Name:  fmt.Sprintf("enrolled pod create → Ready during the rollout, %s (one every %s)", q.name, streamEvery),
-			Value: ms(quantile(roll.ready, q.q)), Unit: "ms", FloorName: "the same stream without a rollout", Floor: ms(quantile(base.ready, q.q)),
+			Name:  fmt.Sprintf("enrolled pod create → Ready during the rollout, %s (one every %s)", q.name, streamEvery(b)),
+			Value: ms(quantile(roll.ready, q.q)), Unit: "ms", FloorName: "the same stream without a rollout, before and after it", Floor: ms(quantile(base.ready, q.q)),
 			Target: "p99 within 1.2× of the stream without a rollout"})
 	}
 	benchreport.Record(b, benchreport.Figure{Section: section,
 		Name: "helm upgrade → the new agent pod Ready", Value: ms(took), Unit: "ms"})
+}
+
+// pooled is what two streams met together.
+func (r streamResult) pooled(o streamResult) streamResult {
+	p := streamResult{
+		ready:      append(slices.Clone(r.ready), o.ready...),
+		rejected:   append(slices.Clone(r.rejected), o.rejected...),
+		failedADDs: r.failedADDs + o.failedADDs,
+		unfinished: r.unfinished + o.unfinished,
+		warnings:   map[string]int{},
+	}
+	for _, w := range []map[string]int{r.warnings, o.warnings} {
+		for k, v := range w {
+			p.warnings[k] += v
+		}
+	}
+	return p
 }
 
 // podStream creates streamPods enrolled pods in ns, one every streamEvery,
@@ -175,8 +229,14 @@ func podStream(ctx context.Context, b *testing.B, c kubernetes.Interface, ns, pr
 				res.rejected = append(res.rejected, fmt.Sprintf("%s at +%s: %s: %s", p.Name, time.Since(at).Round(time.Millisecond), p.Status.Reason, p.Status.Message))
 			case podReady(p):
 				done[p.Name] = true
-				res.ready = append(res.ready, time.Since(at))
+				took := time.Since(at)
+				res.ready = append(res.ready, took)
 				res.readyAt = append(res.readyAt, time.Since(res.start))
+				i := int(at.Sub(res.start) / (10 * time.Second))
+				for len(res.slowest) <= i {
+					res.slowest = append(res.slowest, 0)
+				}
+				res.slowest[i] = max(res.slowest[i], took.Round(10*time.Millisecond))
 			}
 			finish := done[p.Name]
 			all := len(done) == streamPods
@@ -190,7 +250,7 @@ func podStream(ctx context.Context, b *testing.B, c kubernetes.Interface, ns, pr
 		}
 	}()
 	var bg sync.WaitGroup
-	tick := time.NewTicker(streamEvery)
+	tick := time.NewTicker(streamEvery(b))
 	defer tick.Stop()
 	mu.Lock()
 	res.start = time.Now()

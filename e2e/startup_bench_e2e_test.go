@@ -237,7 +237,9 @@ func benchGateMode(ctx context.Context, b *testing.B, repo, imgDir string, m gat
 		benchTamperRepair(ctx, b, client, m.name)
 	}
 	if m.name == "deviceplugin" || m.name == "dra" {
-		b.Run("rollout", func(b *testing.B) { benchRollout(ctx, b, client, target, repo, release.DevTag, m.name, m.values(node)) })
+		b.Run("rollout", func(b *testing.B) {
+			benchRollout(ctx, b, client, node, target, repo, release.DevTag, m.name, m.values(node))
+		})
 	}
 	if m.open == nil {
 		return
