@@ -183,7 +183,7 @@ bench: deps ## [measure] every benchmark; one report of every figure next to its
 # The headline: pod start-up (create → Ready), enrolled pods against pods
 # outside the mesh on a real node per gate mode (tag e2e, under the e2e
 # lock); benchreport.HeadlineSection puts it first in the report.
-	$(K8S_ENV) flock /tmp/inpod-e2e.lock env $(BENCH) -tags e2e -bench E2EPodStartup -benchtime 1x -timeout 40m ./e2e/
+	$(K8S_ENV) flock /tmp/inpod-e2e.lock env $(BENCH) -tags e2e -bench E2EPodStartup -benchtime 1x -timeout 70m ./e2e/
 	$(call scale_benchmarks,$(BENCH_FIGURES))
 	$(GO) run ./internal/benchreport/cmd/benchreport -in $(BENCH_FIGURES) -out $(CURDIR)/docs/benchmarks.md
 

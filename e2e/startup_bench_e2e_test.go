@@ -74,7 +74,7 @@ type gateMode struct {
 // Node after an uninstall and would take the DRA mode's pods off the DRA
 // path. Run it with -benchtime 1x.
 func BenchmarkE2EPodStartup(b *testing.B) {
-	ctx, cancel := context.WithTimeout(context.Background(), 28*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Minute)
 	defer cancel()
 	repo := testkit.RepoDir(b)
 	imgDir := b.TempDir()
