@@ -84,10 +84,11 @@ type streamResult struct {
 }
 
 // benchRollout measures what an agent rollout does to enrolled pods being
-// created on the node: one every streamEvery, with no rollout, then while
-// helm upgrade rolls the agent's DaemonSet, then with no rollout again (a changed pod annotation: the
-// same rollout as a new image, without a registry). Each pod is deleted
-// once Ready, so the stream never reaches the node's pod limit.
+// created on the node, one every streamEvery: a stream with no rollout,
+// one while helm upgrade rolls the agent's DaemonSet (a changed pod
+// annotation: the same rollout as a new image, without a registry), and
+// one with no rollout again. Each pod is deleted once Ready, so a stream
+// never reaches the node's pod limit.
 func benchRollout(ctx context.Context, b *testing.B, c kubernetes.Interface, node *cluster.Node, target chart.Target, repo, tag, gate string, values []string) {
 	const ns = "churn"
 	ensureNamespace(ctx, b, c, ns, map[string]string{enrollment.DataplaneModeLabel: enrollment.DataplaneAmbient})
@@ -96,8 +97,8 @@ func benchRollout(ctx context.Context, b *testing.B, c kubernetes.Interface, nod
 	before := metrics()
 	steady := podStream(ctx, b, c, ns, "steady", nil)
 	// The agent's own part of each ADD (its metrics): the old agent's over
-	// the first stream, the new one's over its life, nearly all of the
-	// second stream.
+	// the first stream, the new one's over its life (nearly all of the
+	// second stream), then over the third.
 	b.Logf("no rollout: the agent's CNI ADD, mean %s", metrics().enrollMean(before).Round(100*time.Microsecond))
 	// The pods are gone from the API before the kubelet has torn their
 	// sandboxes down: the second stream starts on a node as quiet as the
